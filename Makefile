@@ -1,0 +1,21 @@
+PY := .venv/bin/python
+SETUP := .venv/.deltasync-setup
+
+.PHONY: setup demo test bench clean
+
+setup: $(SETUP)
+
+$(SETUP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+demo: $(SETUP)  ## the main job on embedded defaults: local-folder bucket, tiny local model, vLLM on CPU
+	$(PY) -m trainer_space.demo
+
+test: $(SETUP)
+	$(PY) -m pytest -q
+
+bench: $(SETUP)
+	$(PY) -m bench.codec
+
+clean:
+	rm -rf runs bench/results .pytest_cache

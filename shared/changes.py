@@ -1,0 +1,117 @@
+"""Bit-exact change detection between two snapshots of a tensor.
+
+One fused pass over 64-bit words (numba, GIL released so tensors run on all cores): compare,
+record the position and XOR of each changed element, and optionally refresh the old snapshot
+in place. Writing only the changed words keeps the snapshot update nearly free at ~1% change.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+# Integer views for the float dtypes whose bits we diff; other dtypes are sent whole.
+INT_VIEW: dict[torch.dtype, torch.dtype] = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+}
+UNSIGNED_NP = {torch.int16: np.uint16, torch.int32: np.uint32}
+SIGNED_NP = {torch.int16: np.int16, torch.int32: np.int32}
+CHUNK_ELEMENTS = 1 << 22  # elements per task: big enough to amortise, small enough to balance
+
+
+@numba.njit(cache=True, nogil=True)
+def _scan(old_w, new_w, old_e, new_e, lanes, out_pos, out_xor, offset):  # pragma: no cover
+    """Compare word by word; return the number of changed elements (may exceed out capacity)."""
+    cap = out_pos.shape[0]
+    k = 0
+    for w in range(old_w.shape[0]):
+        if old_w[w] != new_w[w]:
+            base = w * lanes
+            for j in range(lanes):
+                x = old_e[base + j] ^ new_e[base + j]
+                if x != 0:
+                    if k < cap:
+                        out_pos[k] = offset + base + j
+                        out_xor[k] = x
+                    k += 1
+    for i in range(old_w.shape[0] * lanes, old_e.shape[0]):
+        x = old_e[i] ^ new_e[i]
+        if x != 0:
+            if k < cap:
+                out_pos[k] = offset + i
+                out_xor[k] = x
+            k += 1
+    return k
+
+
+@dataclass
+class Changes:
+    """Changed positions (flat C-order, sorted) and the XOR of old and new bits there."""
+
+    positions: np.ndarray  # int64
+    xor: np.ndarray  # unsigned int of the element width
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def unsigned_view(t: torch.Tensor) -> np.ndarray:
+    """Flat unsigned-integer numpy view of a float tensor's bits (no copy)."""
+    iv = INT_VIEW[t.dtype]
+    return t.detach().reshape(-1).view(iv).numpy().view(UNSIGNED_NP[iv])
+
+
+def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: int):
+    o, n = old[start:stop], new[start:stop]
+    lanes = 8 // o.itemsize
+    words = (stop - start) // lanes
+    pos = np.empty(cap, dtype=np.int64)
+    xor = np.empty(cap, dtype=o.dtype)
+    k = _scan(o[: words * lanes].view(np.uint64), n[: words * lanes].view(np.uint64), o, n,
+              lanes, pos, xor, start)
+    return k, pos, xor
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="deltasync-scan")
+    return _POOL
+
+
+def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
+                 max_fraction: float = 1 / 16) -> Changes | None:
+    """Positions and XOR of the elements whose bits differ.
+
+    Returns None when more than ``max_fraction`` of elements changed: the caller then sends
+    the tensor densely, which is smaller anyway. With ``update=True`` the old snapshot is
+    refreshed in place (only when the result is not None, so a None never half-updates).
+    """
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise ValueError(f"shape/dtype mismatch: {old.shape}/{old.dtype} vs {new.shape}/{new.dtype}")
+    if not (old.is_contiguous() and new.is_contiguous()):
+        raise ValueError("find_changes needs contiguous tensors")
+    o, n = unsigned_view(old), unsigned_view(new)
+    numel = o.shape[0]
+    chunks = [(s, min(s + CHUNK_ELEMENTS, numel)) for s in range(0, numel, CHUNK_ELEMENTS)]
+    cap_of = lambda s, e: int((e - s) * max_fraction) + 1  # noqa: E731
+    results = list(_pool().map(lambda c: _scan_chunk(o, n, c[0], c[1], cap_of(*c)), chunks))
+    if any(k > cap_of(*c) for (k, _, _), c in zip(results, chunks)):
+        return None
+    if update:
+        for k, pos, _ in results:
+            o[pos[:k]] = n[pos[:k]]
+    positions = np.concatenate([pos[:k] for k, pos, _ in results]) if results else np.empty(0, np.int64)
+    xor = np.concatenate([x[:k] for k, _, x in results]) if results else np.empty(0, o.dtype)
+    return Changes(positions, xor)

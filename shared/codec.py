@@ -1,0 +1,388 @@
+"""The delta file format: exact sparse changes between two bf16 states, as one safetensors file.
+
+A file is either an *anchor* (every tensor in full, under its checkpoint name, so an anchor is
+also a loadable checkpoint) or a *delta*. In a delta each changed tensor ``name`` is stored as
+``U8`` blobs:
+
+* ``name::pos``: the changed flat C-order positions as gaps (``pos[i] - pos[i-1] - 1``, the
+  first from -1), little-endian, ``gap_bytes`` wide, split into byte planes, zstd-compressed.
+  Absent when ``positions == "all"`` (every element is sent).
+* ``name::val``: the element bits at those positions, split into byte planes and zstd-compressed:
+  either the XOR of old and new bits (``encoding == "xor"``, smallest, applied once onto the
+  exact base) or the new bits (``"set"``, idempotent). Whichever is smaller wins per tensor.
+
+Tensors of other dtypes that changed are stored whole under their own name (``"full"``).
+The safetensors metadata key ``deltasync`` holds a JSON :class:`Header`: versions, base and target
+commitments, state digest and, for every tensor, its dtype, shape, digest, change count,
+encoding and blob digests (so damage is found before any weight changes).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import blake3
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+import zstandard
+from pydantic import BaseModel, ValidationError
+
+from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, unsigned_view
+from .digest import (
+    TORCH_DTYPES,
+    commitment,
+    dtype_name,
+    state_digest_from_entries,
+    tensor_digest,
+)
+from .errors import DeltaError
+
+FORMAT = "deltasync"
+FORMAT_VERSION = 1
+ZSTD_LEVEL = 3
+POS, VAL = "::pos", "::val"
+
+Encoding = Literal["same", "xor", "set", "full"]
+
+
+class TensorEntry(BaseModel):
+    dtype: str
+    shape: list[int]
+    digest: str  # tensor digest of the target
+    changed: int = 0
+    encoding: Encoding = "same"
+    positions: Literal["gaps", "all"] | None = None
+    gap_bytes: int = 0
+    blobs: dict[str, str] = {}  # blob suffix -> blake3 of its bytes
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class Header(BaseModel):
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    kind: Literal["anchor", "delta"]
+    version: int
+    base_version: int | None = None
+    base_commitment: str = ""
+    commitment: str
+    state_digest: str
+    tensors: dict[str, TensorEntry]
+
+    @property
+    def numel(self) -> int:
+        return sum(e.numel for e in self.tensors.values())
+
+    @property
+    def changed(self) -> int:
+        return sum(e.changed for e in self.tensors.values())
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(e.numel * TORCH_DTYPES[e.dtype].itemsize for e in self.tensors.values())
+
+
+# --------------------------------------------------------------------------- byte planes
+
+
+def _to_planes(a: np.ndarray, nbytes: int) -> bytes:
+    """Low ``nbytes`` of each little-endian element, grouped plane by plane."""
+    b = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).view(np.uint8)
+    return b.reshape(-1, a.itemsize)[:, :nbytes].T.tobytes()
+
+
+def _from_planes(buf: bytes, count: int, itemsize: int, nbytes: int, dtype) -> np.ndarray:
+    if len(buf) != count * nbytes:
+        raise DeltaError("corrupt", f"plane data has {len(buf)} bytes, expected {count * nbytes}")
+    out = np.zeros((count, itemsize), dtype=np.uint8)
+    out[:, :nbytes] = np.frombuffer(buf, dtype=np.uint8).reshape(nbytes, count).T
+    return out.reshape(-1).view(np.dtype(dtype).newbyteorder("<")).astype(dtype, copy=False)
+
+
+def _compress(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+
+
+def _decompress(blob: bytes, size: int) -> bytes:
+    try:
+        out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise DeltaError("corrupt", f"zstd: {e}") from None
+    if len(out) != size:
+        raise DeltaError("corrupt", f"decompressed {len(out)} bytes, expected {size}")
+    return out
+
+
+def encode_positions(positions: np.ndarray) -> tuple[bytes, int]:
+    gaps = np.diff(positions, prepend=-1) - 1
+    top = int(gaps.max()) if gaps.size else 0
+    nbytes = max(1, (top.bit_length() + 7) // 8)
+    return _compress(_to_planes(gaps.astype(np.uint64), nbytes)), nbytes
+
+
+def decode_positions(blob: bytes, count: int, gap_bytes: int, numel: int) -> np.ndarray:
+    gaps = _from_planes(_decompress(blob, count * gap_bytes), count, 8, gap_bytes, np.uint64)
+    positions = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    if count and (positions[-1] >= numel or positions[0] < 0):
+        raise DeltaError("corrupt", f"position {positions[-1]} outside a tensor of {numel} elements")
+    return positions
+
+
+def encode_values(bits: np.ndarray) -> bytes:
+    return _compress(_to_planes(bits, bits.itemsize))
+
+
+def decode_values(blob: bytes, count: int, dtype) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    return _from_planes(_decompress(blob, count * itemsize), count, itemsize, itemsize, dtype)
+
+
+# --------------------------------------------------------------------------- encode
+
+
+@dataclass
+class EncodedTensor:
+    entry: TensorEntry
+    blobs: dict[str, torch.Tensor]  # safetensors name -> tensor
+
+
+def _u8(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
+
+
+def _sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None,
+                  xor: np.ndarray, new: np.ndarray) -> EncodedTensor:
+    """Pick the smaller of XOR and overwrite for the given positions (None: all elements)."""
+    candidates = {"xor": encode_values(xor), "set": encode_values(new)}
+    encoding = min(candidates, key=lambda k: len(candidates[k]))
+    blobs = {VAL: candidates[encoding]}
+    entry = base_entry.model_copy(update={"encoding": encoding, "changed": int(np.count_nonzero(xor))})
+    if positions is None:
+        entry.positions = "all"
+    else:
+        blobs[POS], entry.gap_bytes = encode_positions(positions)
+        entry.positions = "gaps"
+    entry.blobs = {k: blake3.blake3(v).hexdigest() for k, v in blobs.items()}
+    return EncodedTensor(entry, {name + k: _u8(v) for k, v in blobs.items()})
+
+
+def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
+                  digest: str | None = None) -> EncodedTensor:
+    """Encode how ``new`` differs from ``old`` (refreshing ``old`` in place if ``update``)."""
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise DeltaError("shape_mismatch", f"{name}: {tuple(old.shape)}/{old.dtype} -> "
+                         f"{tuple(new.shape)}/{new.dtype}")
+    new = new.contiguous()
+    entry = TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape),
+                        digest=digest or tensor_digest(new))
+    if new.dtype not in INT_VIEW:
+        if torch.equal(old.view(torch.uint8) if old.numel() else old, new.view(torch.uint8) if new.numel() else new):
+            return EncodedTensor(entry, {})
+        if update:
+            old.copy_(new)
+        entry = entry.model_copy(update={"encoding": "full", "changed": new.numel()})
+        return EncodedTensor(entry, {name: new.clone()})
+    changes = find_changes(old, new, update=update)
+    if changes is None:  # dense change: send every element
+        o, n = unsigned_view(old), unsigned_view(new)
+        enc = _sparse_entry(entry, name, None, o ^ n, n.copy())
+        if update:
+            old.copy_(new)
+        return enc
+    if changes.count == 0:
+        return EncodedTensor(entry, {})
+    new_bits = unsigned_view(new)[changes.positions]
+    return _sparse_entry(entry, name, changes.positions, changes.xor, new_bits)
+
+
+def _metadata(header: Header) -> dict[str, str]:
+    return {"format": FORMAT, "deltasync": header.model_dump_json()}
+
+
+def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_version: int,
+                base_commitment: str) -> tuple[Header, dict[str, torch.Tensor]]:
+    entries = {n: e.entry for n, e in encoded.items()}
+    sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
+    header = Header(kind="delta", version=version, base_version=base_version,
+                    base_commitment=base_commitment, commitment=commitment(base_commitment, sd),
+                    state_digest=sd, tensors=dict(sorted(entries.items())))
+    tensors = {k: v for e in encoded.values() for k, v in e.blobs.items()}
+    return header, tensors
+
+
+def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
+                 version: int, base_version: int, base_commitment: str,
+                 update_base: bool = False) -> bytes:
+    """Delta file bytes taking ``base`` to ``new`` (same names, shapes and dtypes)."""
+    if set(base) != set(new):
+        raise DeltaError("shape_mismatch", f"tensor names differ: {sorted(set(base) ^ set(new))[:5]}")
+    encoded = {n: encode_tensor(n, base[n], new[n], update=update_base) for n in sorted(new)}
+    header, tensors = build_delta(encoded, version=version, base_version=base_version,
+                                  base_commitment=base_commitment)
+    return safetensors.torch.save(tensors, metadata=_metadata(header))
+
+
+def anchor_header(state: Mapping[str, torch.Tensor], *, version: int,
+                  base_version: int | None = None, base_commitment: str = "",
+                  digests: Mapping[str, str] | None = None) -> Header:
+    """Header of a full state. The genesis anchor has base commitment ""; a later anchor
+    restates version v of an existing chain and so carries that chain's commitment."""
+    digests = digests or {n: tensor_digest(t) for n, t in state.items()}
+    entries = {n: TensorEntry(dtype=dtype_name(t.dtype), shape=list(t.shape), digest=digests[n],
+                              changed=t.numel(), encoding="full") for n, t in sorted(state.items())}
+    sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
+    return Header(kind="anchor", version=version, base_version=base_version,
+                  base_commitment=base_commitment, commitment=commitment(base_commitment, sd),
+                  state_digest=sd, tensors=entries)
+
+
+def save_anchor(state: Mapping[str, torch.Tensor], path: str | Path, header: Header) -> None:
+    tensors = {n: t.detach().contiguous() for n, t in state.items()}
+    safetensors.torch.save_file(tensors, str(path), metadata=_metadata(header))
+
+
+# --------------------------------------------------------------------------- read
+
+
+def _parse_header(raw: bytes) -> Header:
+    try:
+        meta = json.loads(raw).get("__metadata__") or {}
+        if meta.get("format") != FORMAT or "deltasync" not in meta:
+            raise DeltaError("format", "not a deltasync file (no deltasync metadata)")
+        header = Header.model_validate_json(meta["deltasync"])
+    except (ValueError, ValidationError, AttributeError) as e:
+        raise DeltaError("format", f"unreadable header: {str(e).splitlines()[0]}") from None
+    if header.format_version != FORMAT_VERSION:
+        raise DeltaError("format", f"format version {header.format_version} is not supported")
+    sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in header.tensors.items()})
+    if sd != header.state_digest:
+        raise DeltaError("corrupt", "header's tensor digests do not add up to its state digest")
+    if header.commitment != commitment(header.base_commitment, header.state_digest):
+        raise DeltaError("corrupt", "header's commitment does not follow from its base and digest")
+    return header
+
+
+def read_header_bytes(data: bytes) -> Header:
+    """Header from the safetensors preamble (8-byte length + JSON), without loading tensors."""
+    if len(data) < 8:
+        raise DeltaError("format", f"file too short ({len(data)} bytes)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise DeltaError("format", "truncated header")
+    return _parse_header(data[8 : 8 + n])
+
+
+def read_header(path: str | Path) -> Header:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise DeltaError("format", f"{path}: file too short")
+        (n,) = struct.unpack("<Q", head)
+        raw = f.read(n)
+        if len(raw) != n:
+            raise DeltaError("format", f"{path}: truncated header")
+    return _parse_header(raw)
+
+
+@dataclass
+class TensorChange:
+    """One tensor's decoded change, in checkpoint coordinates.
+
+    ``positions`` is None when every element is given. ``bits`` is the integer view of the
+    element dtype (int16 for bf16/fp16, int32 for fp32); for ``"full"`` it is the new tensor
+    itself in its own dtype.
+    """
+
+    name: str
+    mode: Literal["xor", "set", "full"]
+    positions: torch.Tensor | None
+    bits: torch.Tensor
+
+    def new_bits(self, old_bits: torch.Tensor) -> torch.Tensor:
+        """New element bits given the old ones at the same positions."""
+        return old_bits ^ self.bits if self.mode == "xor" else self.bits
+
+
+class DeltaFile:
+    """A parsed anchor or delta. Tensors load lazily; every blob is checked before use."""
+
+    def __init__(self, header: Header, tensors: Mapping[str, torch.Tensor] | None = None,
+                 path: str | Path | None = None, size: int = 0):
+        self.header = header
+        self._tensors = tensors
+        self._path = path
+        self.size = size
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> DeltaFile:
+        header = read_header_bytes(data)
+        try:
+            tensors = safetensors.torch.load(data)
+        except Exception as e:  # safetensors raises its own error types
+            raise DeltaError("corrupt", f"safetensors: {e}") from None
+        return cls(header, tensors, size=len(data))
+
+    @classmethod
+    def open(cls, path: str | Path) -> DeltaFile:
+        header = read_header(path)
+        try:
+            with safetensors.safe_open(str(path), framework="pt"):
+                pass
+        except Exception as e:
+            raise DeltaError("corrupt", f"safetensors: {e}") from None
+        return cls(header, None, path=path, size=Path(path).stat().st_size)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        try:
+            if self._tensors is not None:
+                return self._tensors[key]
+            with safetensors.safe_open(str(self._path), framework="pt") as f:
+                return f.get_tensor(key)
+        except Exception as e:
+            raise DeltaError("corrupt", f"object {key!r} unreadable: {e}") from None
+
+    def _blob(self, name: str, suffix: str, entry: TensorEntry) -> bytes:
+        data = self.tensor(name + suffix).numpy().tobytes()
+        if blake3.blake3(data).hexdigest() != entry.blobs.get(suffix):
+            raise DeltaError("corrupt", f"{name}{suffix}: blob digest mismatch")
+        return data
+
+    def change(self, name: str) -> TensorChange | None:
+        e = self.header.tensors[name]
+        if e.encoding == "same":
+            return None
+        if e.encoding == "full":
+            t = self.tensor(name)
+            if t.dtype != TORCH_DTYPES[e.dtype] or list(t.shape) != e.shape or tensor_digest(t) != e.digest:
+                raise DeltaError("corrupt", f"{name}: full tensor does not match its header entry")
+            return TensorChange(name, "full", None, t)
+        iv = INT_VIEW[TORCH_DTYPES[e.dtype]]
+        if e.positions == "all":
+            count, positions = e.numel, None
+        else:
+            count = e.changed
+            pos = decode_positions(self._blob(name, POS, e), count, e.gap_bytes, e.numel)
+            positions = torch.from_numpy(pos)
+        vals = decode_values(self._blob(name, VAL, e), count, UNSIGNED_NP[iv])
+        return TensorChange(name, e.encoding, positions, torch.from_numpy(vals.view(SIGNED_NP[iv])))
+
+    def changes(self) -> Iterator[TensorChange]:
+        for name in self.header.tensors:
+            c = self.change(name)
+            if c is not None:
+                yield c
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """All tensors of an anchor."""
+        if self.header.kind != "anchor":
+            raise DeltaError("format", "only an anchor holds a full state")
+        return {c.name: c.bits for c in self.changes()}

@@ -1,0 +1,80 @@
+"""Digests and commitments, exactly as DESIGN.md defines them.
+
+Other tools recompute these, so the byte-level definitions here are the contract:
+
+* tensor digest: ``blake3(raw little-endian C-order bytes).hexdigest()``
+* state digest: ``blake3(lines)`` with one ``f"{name}\\t{dtype}\\t{shape}\\t{digest}\\n"`` per
+  tensor in name order; dtype is the safetensors string, shape the comma-joined dims.
+* commitment: ``blake3(base_commitment + state_digest)`` (hex strings, UTF-8); the genesis
+  anchor's base commitment is ``""``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import blake3
+import torch
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return SAFETENSORS_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype}") from None
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order without a copy when it is already contiguous."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    return blake3.blake3(raw_bytes(t)).hexdigest()
+
+
+def shape_text(shape: Iterable[int]) -> str:
+    return ",".join(str(int(d)) for d in shape)
+
+
+def state_line(name: str, dtype: str, shape: Iterable[int], digest: str) -> str:
+    return f"{name}\t{dtype}\t{shape_text(shape)}\t{digest}\n"
+
+
+def state_digest_from_entries(entries: Mapping[str, tuple[str, Iterable[int], str]]) -> str:
+    """State digest from (dtype, shape, tensor digest) per name: no tensor data needed."""
+    h = blake3.blake3()
+    for name in sorted(entries):
+        dtype, shape, digest = entries[name]
+        h.update(state_line(name, dtype, shape, digest).encode())
+    return h.hexdigest()
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    return state_digest_from_entries(
+        {n: (dtype_name(t.dtype), t.shape, tensor_digest(t)) for n, t in state.items()}
+    )
+
+
+def commitment(base_commitment: str, state_digest_hex: str) -> str:
+    return blake3.blake3((base_commitment + state_digest_hex).encode()).hexdigest()
