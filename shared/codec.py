@@ -76,6 +76,9 @@ class Header(BaseModel):
     base_commitment: str = ""
     commitment: str
     state_digest: str
+    # State digests of the versions a squashed delta skips over, oldest first: the commitment
+    # chains through them, so it stays verifiable from the header alone.
+    via: list[str] = []
     tensors: dict[str, TensorEntry]
 
     @property
@@ -89,6 +92,13 @@ class Header(BaseModel):
     @property
     def dense_bytes(self) -> int:
         return sum(e.numel * TORCH_DTYPES[e.dtype].itemsize for e in self.tensors.values())
+
+
+def chain_commitment(base_commitment: str, state_digests: list[str]) -> str:
+    c = base_commitment
+    for sd in state_digests:
+        c = commitment(c, sd)
+    return c
 
 
 # --------------------------------------------------------------------------- byte planes
@@ -159,13 +169,14 @@ def _u8(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
 
 
-def _sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None,
-                  xor: np.ndarray, new: np.ndarray) -> EncodedTensor:
-    """Pick the smaller of XOR and overwrite for the given positions (None: all elements)."""
-    candidates = {"xor": encode_values(xor), "set": encode_values(new)}
+def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None,
+                 values: Mapping[str, np.ndarray], changed: int) -> EncodedTensor:
+    """Encode the given positions (None: all elements) with the smallest of the offered value
+    kinds (``"xor"``: old ^ new bits, ``"set"``: new bits)."""
+    candidates = {k: encode_values(v) for k, v in values.items()}
     encoding = min(candidates, key=lambda k: len(candidates[k]))
     blobs = {VAL: candidates[encoding]}
-    entry = base_entry.model_copy(update={"encoding": encoding, "changed": int(np.count_nonzero(xor))})
+    entry = base_entry.model_copy(update={"encoding": encoding, "changed": changed})
     if positions is None:
         entry.positions = "all"
     else:
@@ -194,14 +205,16 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
     changes = find_changes(old, new, update=update)
     if changes is None:  # dense change: send every element
         o, n = unsigned_view(old), unsigned_view(new)
-        enc = _sparse_entry(entry, name, None, o ^ n, n.copy())
+        xor = o ^ n
+        enc = sparse_entry(entry, name, None, {"xor": xor, "set": n.copy()}, int(np.count_nonzero(xor)))
         if update:
             old.copy_(new)
         return enc
     if changes.count == 0:
         return EncodedTensor(entry, {})
     new_bits = unsigned_view(new)[changes.positions]
-    return _sparse_entry(entry, name, changes.positions, changes.xor, new_bits)
+    return sparse_entry(entry, name, changes.positions, {"xor": changes.xor, "set": new_bits},
+                        changes.count)
 
 
 def _metadata(header: Header) -> dict[str, str]:
@@ -209,14 +222,19 @@ def _metadata(header: Header) -> dict[str, str]:
 
 
 def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_version: int,
-                base_commitment: str) -> tuple[Header, dict[str, torch.Tensor]]:
+                base_commitment: str, via: list[str] = ()) -> tuple[Header, dict[str, torch.Tensor]]:
     entries = {n: e.entry for n, e in encoded.items()}
     sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
     header = Header(kind="delta", version=version, base_version=base_version,
-                    base_commitment=base_commitment, commitment=commitment(base_commitment, sd),
+                    base_commitment=base_commitment, via=list(via),
+                    commitment=chain_commitment(base_commitment, [*via, sd]),
                     state_digest=sd, tensors=dict(sorted(entries.items())))
     tensors = {k: v for e in encoded.values() for k, v in e.blobs.items()}
     return header, tensors
+
+
+def save_delta(header: Header, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    return safetensors.torch.save(dict(tensors), metadata=_metadata(header))
 
 
 def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
@@ -228,7 +246,7 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     encoded = {n: encode_tensor(n, base[n], new[n], update=update_base) for n in sorted(new)}
     header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                   base_commitment=base_commitment)
-    return safetensors.torch.save(tensors, metadata=_metadata(header))
+    return save_delta(header, tensors)
 
 
 def anchor_header(state: Mapping[str, torch.Tensor], *, version: int,
@@ -266,8 +284,8 @@ def _parse_header(raw: bytes) -> Header:
     sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in header.tensors.items()})
     if sd != header.state_digest:
         raise DeltaError("corrupt", "header's tensor digests do not add up to its state digest")
-    if header.commitment != commitment(header.base_commitment, header.state_digest):
-        raise DeltaError("corrupt", "header's commitment does not follow from its base and digest")
+    if header.commitment != chain_commitment(header.base_commitment, [*header.via, header.state_digest]):
+        raise DeltaError("corrupt", "header's commitment does not follow from its base and digests")
     return header
 
 

@@ -1,0 +1,236 @@
+"""A version chain in a store: layout, publish protocol, catch-up planning, anchors, retention.
+
+Layout below the store root::
+
+    anchors/v00000012.safetensors     full state of version 12 (also a loadable checkpoint)
+    deltas/v00000013.safetensors      version 12 -> 13
+    deltas/v00000010-v00000013.safetensors   a squashed delta 10 -> 13
+    manifests/v00000013.json          what version 13 is and which objects reach it
+    latest.json                       {"version": 13, "commitment": ...}, written last
+
+Uploads are not transactional, so publish order is the commit protocol: objects, then the
+manifest, then ``latest.json``. A reader starts from ``latest.json`` (or a manifest) and only
+ever follows references to objects that were complete before the reference was written.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import blake3
+from pydantic import BaseModel
+
+from .codec import DeltaFile, Header
+from .errors import DeltaError
+from .stores import Store
+
+LATEST = "latest.json"
+
+
+def _v(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def anchor_key(version: int) -> str:
+    return f"anchors/{_v(version)}.safetensors"
+
+
+def delta_key(base_version: int, version: int) -> str:
+    span = _v(version) if base_version == version - 1 else f"{_v(base_version)}-{_v(version)}"
+    return f"deltas/{span}.safetensors"
+
+
+def manifest_key(version: int) -> str:
+    return f"manifests/{_v(version)}.json"
+
+
+class ObjectRef(BaseModel):
+    """One object that reaches ``version``: an anchor (from nothing) or a delta (from base_version)."""
+
+    kind: Literal["anchor", "delta"]
+    version: int
+    base_version: int | None = None
+    key: str | None = None  # None: an external anchor, not in the store
+    external: str | None = None  # model id or path of a checkpoint everyone can already load
+    size: int = 0
+    blake3: str | None = None
+
+
+class Manifest(BaseModel):
+    version: int
+    commitment: str
+    base_commitment: str
+    state_digest: str
+    created: float
+    objects: list[ObjectRef]
+    changed: int = 0  # elements changed since the previous version
+    numel: int = 0
+    dense_bytes: int = 0
+
+    def object(self, kind: str) -> ObjectRef | None:
+        return next((o for o in self.objects if o.kind == kind and
+                     (kind == "anchor" or o.base_version == self.version - 1)), None)
+
+
+class Latest(BaseModel):
+    version: int
+    commitment: str
+
+
+@dataclass
+class AnchorPolicy:
+    """Anchor when a late replica's catch-up (delta bytes since the last anchor) would exceed
+    ``catchup_fraction`` of a full anchor, rather than every N versions: sparse steps then
+    anchor rarely, dense ones often, and catch-up never costs more than that fraction."""
+
+    catchup_fraction: float = 0.5
+    max_deltas: int | None = None
+
+    def wants_anchor(self, delta_bytes_since_anchor: int, anchor_bytes: int, deltas_since: int) -> bool:
+        if self.max_deltas is not None and deltas_since >= self.max_deltas:
+            return True
+        return delta_bytes_since_anchor > self.catchup_fraction * anchor_bytes
+
+
+def ref_for(kind: Literal["anchor", "delta"], header: Header, key: str, data: bytes | Path) -> ObjectRef:
+    raw = data if isinstance(data, bytes) else Path(data).read_bytes()
+    return ObjectRef(kind=kind, version=header.version, base_version=header.base_version, key=key,
+                     size=len(raw), blake3=blake3.blake3(raw).hexdigest())
+
+
+class Chain:
+    """Reads and writes one version chain. Manifests are cached: they only ever gain objects."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._manifests: dict[int, Manifest] = {}
+
+    # ------------------------------------------------------------------ read
+    def latest(self) -> Latest | None:
+        try:
+            return Latest.model_validate_json(self.store.get(LATEST))
+        except DeltaError:
+            return None
+
+    def manifest(self, version: int, *, refresh: bool = False) -> Manifest:
+        if refresh or version not in self._manifests:
+            try:
+                raw = self.store.get(manifest_key(version))
+                self._manifests[version] = Manifest.model_validate_json(raw)
+            except ValueError as e:
+                raise DeltaError("format", f"manifest v{version}: {e}") from None
+        return self._manifests[version]
+
+    def versions(self) -> list[int]:
+        return sorted(int(Path(k).stem[1:]) for k in self.store.list("manifests") if k.endswith(".json"))
+
+    def fetch_bytes(self, ref: ObjectRef) -> bytes:
+        if ref.key is None:
+            raise DeltaError("missing", f"v{ref.version} is the external checkpoint {ref.external!r}")
+        data = self.store.get(ref.key)
+        if len(data) != ref.size or blake3.blake3(data).hexdigest() != ref.blake3:
+            raise DeltaError("corrupt", f"{ref.key}: {len(data)} bytes that do not match the manifest")
+        return data
+
+    def fetch(self, ref: ObjectRef) -> DeltaFile:
+        """Download and check an object against its manifest entry, then parse it."""
+        return DeltaFile.from_bytes(self.fetch_bytes(ref))
+
+    def plan(self, from_version: int | None, to_version: int,
+             from_commitment: str | None = None) -> list[ObjectRef]:
+        """Cheapest list of objects (by bytes) from ``from_version`` to ``to_version``.
+
+        Starting points are the held version (free, if its commitment matches the chain's) and
+        every anchor at or before the target (costing its size; an external anchor costs nothing
+        to download but only helps a replica that already holds it, so it is used only when
+        nothing else reaches the target).
+        """
+        target = self.manifest(to_version)
+        if from_version is not None and from_version == to_version:
+            return []
+        lo = min(from_version if from_version is not None else to_version, to_version)
+        known = [v for v in self.versions() if v <= to_version]
+        edges: dict[int, list[ObjectRef]] = {}
+        starts: list[tuple[float, int, list[ObjectRef]]] = []
+        for v in known:
+            m = self.manifest(v)
+            for o in m.objects:
+                if o.kind == "anchor":
+                    cost = o.size if o.key else float(1 << 62)
+                    starts.append((cost, v, [o]))
+                elif o.base_version is not None:
+                    edges.setdefault(o.base_version, []).append(o)
+        held_ok = (from_version is not None and from_version in known and
+                   (from_commitment is None or self.manifest(from_version).commitment == from_commitment))
+        if held_ok:
+            starts.append((0, from_version, []))
+        best: dict[int, float] = {}
+        heap = [(c, v, i, path) for i, (c, v, path) in enumerate(starts)]
+        heapq.heapify(heap)
+        tie = len(heap)
+        while heap:
+            cost, v, _, path = heapq.heappop(heap)
+            if v == to_version:
+                return path
+            if best.get(v, float("inf")) <= cost:
+                continue
+            best[v] = cost
+            for o in edges.get(v, []):
+                if o.version <= to_version:
+                    tie += 1
+                    heapq.heappush(heap, (cost + o.size, o.version, tie, path + [o]))
+        raise DeltaError("missing", f"no chain of objects reaches v{target.version} from "
+                         f"{'nothing' if from_version is None else f'v{from_version}'} (lowest v{lo})")
+
+    # ------------------------------------------------------------------ write
+    def publish(self, header: Header, objects: dict[str, bytes | Path], refs: list[ObjectRef], *,
+                numel: int = 0, changed: int = 0, dense_bytes: int = 0) -> Manifest:
+        """Upload ``objects`` (key -> data), then the manifest, then move ``latest`` (last)."""
+        for key, data in objects.items():
+            self.store.put(key, data)
+        m = Manifest(version=header.version, commitment=header.commitment,
+                     base_commitment=header.base_commitment,
+                     state_digest=header.state_digest, created=time.time(), objects=refs,
+                     changed=changed, numel=numel or header.numel, dense_bytes=dense_bytes or header.dense_bytes)
+        self.store.put(manifest_key(m.version), m.model_dump_json(indent=1).encode())
+        self._manifests[m.version] = m
+        self.store.put(LATEST, Latest(version=m.version, commitment=m.commitment).model_dump_json().encode())
+        return m
+
+    def add_object(self, version: int, key: str, data: bytes | Path, ref: ObjectRef) -> Manifest:
+        """Attach another object (a squashed delta, a later anchor) to an existing version."""
+        self.store.put(key, data)
+        m = self.manifest(version, refresh=True)
+        m.objects = [o for o in m.objects if o.key != key] + [ref]
+        self.store.put(manifest_key(version), m.model_dump_json(indent=1).encode())
+        return m
+
+    def retain(self, keep_anchors: int = 2) -> list[int]:
+        """Drop versions older than the ``keep_anchors``-th newest anchor. Manifests go first, so
+        no reader plans through an object that is about to disappear. Returns dropped versions."""
+        versions = self.versions()
+        anchored = [v for v in versions if self.manifest(v).object("anchor") is not None]
+        if len(anchored) <= keep_anchors:
+            return []
+        floor = anchored[-keep_anchors]
+        dropped = [v for v in versions if v < floor]
+        doomed = [o.key for v in dropped for o in self.manifest(v).objects if o.key]
+        # squashed deltas that start before the floor but are listed under a kept version
+        for v in versions:
+            if v >= floor:
+                m = self.manifest(v)
+                stale = [o for o in m.objects if o.kind == "delta" and (o.base_version or 0) < floor]
+                if stale:
+                    m.objects = [o for o in m.objects if o not in stale]
+                    self.store.put(manifest_key(v), m.model_dump_json(indent=1).encode())
+                    doomed += [o.key for o in stale if o.key]
+        for v in dropped:
+            self.store.delete(manifest_key(v))
+            self._manifests.pop(v, None)
+        for key in doomed:
+            self.store.delete(key)
+        return dropped

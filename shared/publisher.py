@@ -1,0 +1,265 @@
+"""Trainer side: turn every optimizer step into the next version of a chain in a store.
+
+``DeltaPublisher.publish()`` is called right after ``optimizer.step()``. Detection and encoding
+run synchronously against one bf16 snapshot (the weights may change again as soon as it returns);
+uploading, moving ``latest`` and notifying replicas run in one background thread behind a bounded
+queue, strictly in version order, so training only waits when uploads fall behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_for
+from .checkpoint import module_state
+from .codec import Header, anchor_header, build_delta, encode_tensor, save_anchor, save_delta
+from .digest import tensor_digest
+from .stores import Store, open_store
+
+log = logging.getLogger("deltasync.publisher")
+
+
+@dataclass
+class PublishReport:
+    version: int
+    kind: str  # "anchor" | "delta" | "delta+anchor"
+    changed: int
+    numel: int
+    payload_bytes: int  # delta bytes (what a replica one version behind downloads)
+    dense_bytes: int
+    int32_bf16_bytes: int  # the TRL prototype format's size for the same change
+    encode_s: float
+    upload_s: float = 0.0
+    notify_s: float = 0.0
+    commitment: str = ""
+    state_digest: str = ""
+    replicas: dict[str, str] = field(default_factory=dict)  # url -> "ok v3" or an error
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / max(self.numel, 1)
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"changed_fraction": self.changed_fraction}
+
+
+@dataclass
+class _Job:
+    header: Header
+    objects: dict[str, bytes | Path]
+    refs: list[ObjectRef]
+    report: PublishReport
+    tmpdir: tempfile.TemporaryDirectory | None = None
+
+
+class DeltaPublisher:
+    """Publish a model's bf16 weights as an exact version chain.
+
+    ``model`` is an ``nn.Module`` or a name->tensor mapping, in checkpoint coordinates (tied
+    weights once). fp32 master weights are compared after the cast to ``dtype``, which is what
+    replicas serve. ``external_base`` names a checkpoint every replica already has (a Hub id or
+    path): then version 0 is not uploaded, and replicas check its state digest instead.
+    """
+
+    def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], store: Store | str, *,
+                 replicas: Sequence[str] = (), token: str | None = None,
+                 policy: AnchorPolicy | None = None, keep_anchors: int = 2,
+                 dtype: torch.dtype = torch.bfloat16, external_base: str | None = None,
+                 queue_size: int = 2, retries: int = 4, backoff_s: float = 0.5,
+                 notify_timeout_s: float = 120.0,
+                 on_report: Callable[[PublishReport], None] | None = None):
+        self.model, self.dtype = model, dtype
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.chain = Chain(self.store)
+        self.replicas, self.token = list(replicas), token
+        self.policy, self.keep_anchors = policy or AnchorPolicy(), keep_anchors
+        self.retries, self.backoff_s, self.notify_timeout_s = retries, backoff_s, notify_timeout_s
+        self.on_report = on_report
+        self.reports: list[PublishReport] = []
+        self._snapshot = {n: self._cast(t).clone() for n, t in self._live().items()}
+        self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
+        self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        self._since_anchor_bytes, self._since_anchor = 0, 0
+        self._force_anchor = False
+        self._broken = False  # an upload failed for good: skip deltas until an anchor lands
+        self.errors: list[str] = []
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
+        self._worker = threading.Thread(target=self._run, name="deltasync-upload", daemon=True)
+        self._worker.start()
+        self.version, self.commitment = self._genesis(external_base)
+
+    # ------------------------------------------------------------------ public
+    def publish(self) -> PublishReport:
+        """Encode the change since the last version and queue its upload; returns its report."""
+        t0 = time.perf_counter()
+        version = self.version + 1
+        live = self._live()
+        encoded = {}
+        with torch.no_grad():
+            for name, snap in self._snapshot.items():
+                new = self._cast(live[name])
+                enc = encode_tensor(name, snap, new, update=True)
+                self._digests[name] = enc.entry.digest
+                encoded[name] = enc
+        header, tensors = build_delta(encoded, version=version, base_version=self.version,
+                                      base_commitment=self.commitment)
+        delta = save_delta(header, tensors)
+        changed = header.changed
+        report = PublishReport(version=version, kind="delta", changed=changed, numel=header.numel,
+                               payload_bytes=len(delta), dense_bytes=self._dense_bytes,
+                               int32_bf16_bytes=6 * changed, encode_s=0.0,
+                               commitment=header.commitment, state_digest=header.state_digest)
+        objects: dict[str, bytes | Path] = {delta_key(self.version, version): delta}
+        refs = [ref_for("delta", header, delta_key(self.version, version), delta)]
+        self._since_anchor_bytes += len(delta)
+        self._since_anchor += 1
+        tmp = None
+        if self._force_anchor or self.policy.wants_anchor(self._since_anchor_bytes, self._dense_bytes,
+                                                          self._since_anchor):
+            tmp, path, aheader = self._write_anchor(version, self.version, self.commitment)
+            assert aheader.commitment == header.commitment
+            objects[anchor_key(version)] = path
+            refs.append(ref_for("anchor", aheader, anchor_key(version), path))
+            report.kind = "delta+anchor"
+            self._since_anchor_bytes, self._since_anchor, self._force_anchor = 0, 0, False
+        report.encode_s = time.perf_counter() - t0
+        self.version, self.commitment, self.state_digest = version, header.commitment, header.state_digest
+        self._put(_Job(header, objects, refs, report, tmp))
+        return report
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued version is uploaded and announced."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("uploads still pending")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._worker.join()
+
+    def __enter__(self) -> DeltaPublisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _live(self) -> dict[str, torch.Tensor]:
+        return module_state(self.model) if isinstance(self.model, torch.nn.Module) else dict(self.model)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return (t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t).cpu().contiguous()
+
+    def _write_anchor(self, version: int, base_version: int | None, base_commitment: str):
+        tmp = tempfile.TemporaryDirectory(prefix="deltasync-anchor-")
+        path = Path(tmp.name) / "anchor.safetensors"
+        header = anchor_header(self._snapshot, version=version, base_version=base_version,
+                               base_commitment=base_commitment, digests=self._digests)
+        save_anchor(self._snapshot, path, header)
+        return tmp, path, header
+
+    def _genesis(self, external_base: str | None) -> tuple[int, str]:
+        header = anchor_header(self._snapshot, version=0, digests=self._digests)
+        self.state_digest = header.state_digest
+        latest = self.chain.latest()
+        if latest is not None:
+            m = self.chain.manifest(latest.version)
+            if m.state_digest != header.state_digest:
+                raise ValueError(f"{self.store.uri} already holds a chain at v{latest.version} whose "
+                                 "state differs from this model; use an empty store or prefix")
+            log.info("continuing the chain in %s at v%d", self.store.uri, latest.version)
+            return latest.version, latest.commitment
+        report = PublishReport(version=0, kind="anchor", changed=header.numel, numel=header.numel,
+                               payload_bytes=0, dense_bytes=self._dense_bytes,
+                               int32_bf16_bytes=6 * header.numel, encode_s=0.0,
+                               commitment=header.commitment, state_digest=header.state_digest)
+        if external_base:
+            ref = ObjectRef(kind="anchor", version=0, external=external_base)
+            self._put(_Job(header, {}, [ref], report))
+        else:
+            tmp, path, _ = self._write_anchor(0, None, "")
+            report.payload_bytes = path.stat().st_size
+            self._put(_Job(header, {anchor_key(0): path},
+                           [ref_for("anchor", header, anchor_key(0), path)], report, tmp))
+        return 0, header.commitment
+
+    def _put(self, job: _Job) -> None:
+        self._queue.put(job)  # blocks while uploads are behind by queue_size versions
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            anchored = any(r.kind == "anchor" for r in job.refs)
+            try:
+                if self._broken and not anchored:
+                    job.report.kind = "skipped"  # its base never landed; an anchor follows
+                else:
+                    self._upload(job)
+                    self._broken = False
+                    self._notify(job.report)
+            except Exception as e:  # keep the chain whole: skip to the next anchor
+                log.exception("upload of v%d failed for good; the next version anchors",
+                              job.header.version)
+                self.errors.append(f"v{job.header.version}: {e}")
+                job.report.kind = "failed"
+                self._broken = self._force_anchor = True
+            finally:
+                if job.tmpdir is not None:
+                    job.tmpdir.cleanup()
+                self.reports.append(job.report)
+                if self.on_report:
+                    self.on_report(job.report)
+                self._queue.task_done()
+
+    def _upload(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        for attempt in range(self.retries + 1):
+            try:
+                self.chain.publish(job.header, job.objects, job.refs, changed=job.report.changed,
+                                   dense_bytes=job.report.dense_bytes)
+                break
+            except Exception as e:
+                if attempt == self.retries:
+                    raise
+                log.warning("upload of v%d failed (%s); retrying", job.header.version, e)
+                time.sleep(self.backoff_s * 2**attempt)
+        if any(r.kind == "anchor" for r in job.refs) and job.header.version > 0:
+            self.chain.retain(self.keep_anchors)
+        job.report.upload_s = time.perf_counter() - t0
+
+    def _notify(self, report: PublishReport) -> None:
+        if not self.replicas:
+            return
+        t0 = time.perf_counter()
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        with httpx.Client(timeout=self.notify_timeout_s) as client:
+            for url in self.replicas:
+                report.replicas[url] = self._notify_one(client, url, report.version, headers)
+        report.notify_s = time.perf_counter() - t0
+
+    def _notify_one(self, client: httpx.Client, url: str, version: int, headers: dict) -> str:
+        for attempt in range(self.retries + 1):
+            try:
+                r = client.post(f"{url.rstrip('/')}/update", json={"version": version}, headers=headers)
+                if r.status_code < 500:
+                    return f"ok v{version}" if r.is_success else f"refused {r.status_code}: {r.text[:200]}"
+                err = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                err = f"{type(e).__name__}: {e}"
+            log.warning("notify %s of v%d failed (%s)", url, version, err)
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2**attempt)
+        return f"unreachable: {err}"
