@@ -70,10 +70,18 @@ def check_target(header: Header, target: Mapping[str, torch.Tensor]) -> None:
                              f"delta says {tuple(e.shape)}/{e.dtype}")
 
 
-def check_base(header: Header, *, version: int | None, commitment: str | None) -> None:
-    """Refuse a delta that does not start exactly where the target is."""
+def check_base(header: Header, *, version: int | None, commitment: str | None,
+               state_digest: str | None = None) -> None:
+    """Refuse a delta that does not start exactly where the target is.
+
+    A target known by commitment (a replica in a chain) is checked by commitment and version; a
+    plain checkpoint, which has no commitment, by its state digest.
+    """
     if header.kind != "delta":
         return
+    if state_digest is not None and header.base_state_digest and header.base_state_digest != state_digest:
+        raise DeltaError("wrong_base", f"delta v{header.version} builds on state "
+                         f"{header.base_state_digest[:12]}…, target is {state_digest[:12]}…")
     if commitment is not None and header.base_commitment != commitment:
         raise DeltaError("wrong_base", f"delta v{header.version} builds on commitment "
                          f"{header.base_commitment[:12]}…, target holds {commitment[:12]}…")
@@ -107,12 +115,12 @@ def commit(patches: list[Patch], verify: Mapping[str, str] | None = None,
 
 def apply_delta(delta: DeltaFile, target: Mapping[str, torch.Tensor] | torch.nn.Module, *,
                 version: int | None = None, commitment: str | None = None,
-                verify: bool = True) -> Header:
+                state_digest: str | None = None, verify: bool = True) -> Header:
     """Apply an anchor or delta in place; on any failure the target is left exactly as it was."""
     from .checkpoint import module_state
 
     state = module_state(target) if isinstance(target, torch.nn.Module) else target
-    check_base(delta.header, version=version, commitment=commitment)
+    check_base(delta.header, version=version, commitment=commitment, state_digest=state_digest)
     patches = prepare(delta, state)
     touched = {p.name: delta.header.tensors[p.name].digest for p in patches} if verify else None
     with torch.no_grad():

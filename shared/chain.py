@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 import blake3
+import torch
 from pydantic import BaseModel
 
 from .codec import DeltaFile, Header
@@ -234,3 +235,42 @@ class Chain:
         for key in doomed:
             self.store.delete(key)
         return dropped
+
+
+def reconstruct(chain: Chain, version: int | None = None, *, progress: bool = False,
+                ) -> tuple[dict[str, torch.Tensor], Header]:
+    """Rebuild the exact state of ``version`` (default: latest) from the store, verified.
+
+    An external genesis anchor is loaded from its path (a Hub id must be downloaded first).
+    """
+    from tqdm.auto import tqdm
+
+    from .apply import apply_delta
+    from .checkpoint import load_state
+    from .digest import state_digest
+
+    if version is None:
+        latest = chain.latest()
+        if latest is None:
+            raise DeltaError("missing", f"{chain.store.uri} holds no version")
+        version = latest.version
+    state: dict[str, torch.Tensor] = {}
+    header: Header | None = None
+    for ref in tqdm(chain.plan(None, version), desc="rebuild", unit="obj", disable=not progress):
+        if ref.kind == "anchor":
+            m = chain.manifest(ref.version)
+            if ref.key is None:
+                state = load_state(ref.external)
+                if state_digest(state) != m.state_digest:
+                    raise DeltaError("wrong_base", f"{ref.external} is not the chain's v{ref.version}")
+                header = Header(kind="anchor", version=ref.version, commitment=m.commitment,
+                                base_commitment=m.base_commitment, state_digest=m.state_digest,
+                                tensors={})
+            else:
+                f = chain.fetch(ref)
+                state, header = f.state(), f.header
+        else:
+            f = chain.fetch(ref)
+            header = apply_delta(f, state, version=header.version, commitment=header.commitment)
+    assert header is not None
+    return state, header

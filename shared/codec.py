@@ -74,6 +74,7 @@ class Header(BaseModel):
     version: int
     base_version: int | None = None
     base_commitment: str = ""
+    base_state_digest: str = ""  # lets a plain checkpoint (no commitment) be checked as the base
     commitment: str
     state_digest: str
     # State digests of the versions a squashed delta skips over, oldest first: the commitment
@@ -222,11 +223,12 @@ def _metadata(header: Header) -> dict[str, str]:
 
 
 def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_version: int,
-                base_commitment: str, via: list[str] = ()) -> tuple[Header, dict[str, torch.Tensor]]:
+                base_commitment: str, base_state_digest: str = "",
+                via: list[str] = ()) -> tuple[Header, dict[str, torch.Tensor]]:
     entries = {n: e.entry for n, e in encoded.items()}
     sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
     header = Header(kind="delta", version=version, base_version=base_version,
-                    base_commitment=base_commitment, via=list(via),
+                    base_commitment=base_commitment, base_state_digest=base_state_digest, via=list(via),
                     commitment=chain_commitment(base_commitment, [*via, sd]),
                     state_digest=sd, tensors=dict(sorted(entries.items())))
     tensors = {k: v for e in encoded.values() for k, v in e.blobs.items()}
@@ -239,19 +241,19 @@ def save_delta(header: Header, tensors: Mapping[str, torch.Tensor]) -> bytes:
 
 def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
                  version: int, base_version: int, base_commitment: str,
-                 update_base: bool = False) -> bytes:
+                 base_state_digest: str = "", update_base: bool = False) -> bytes:
     """Delta file bytes taking ``base`` to ``new`` (same names, shapes and dtypes)."""
     if set(base) != set(new):
         raise DeltaError("shape_mismatch", f"tensor names differ: {sorted(set(base) ^ set(new))[:5]}")
     encoded = {n: encode_tensor(n, base[n], new[n], update=update_base) for n in sorted(new)}
     header, tensors = build_delta(encoded, version=version, base_version=base_version,
-                                  base_commitment=base_commitment)
+                                  base_commitment=base_commitment, base_state_digest=base_state_digest)
     return save_delta(header, tensors)
 
 
 def anchor_header(state: Mapping[str, torch.Tensor], *, version: int,
                   base_version: int | None = None, base_commitment: str = "",
-                  digests: Mapping[str, str] | None = None) -> Header:
+                  via: list[str] = (), digests: Mapping[str, str] | None = None) -> Header:
     """Header of a full state. The genesis anchor has base commitment ""; a later anchor
     restates version v of an existing chain and so carries that chain's commitment."""
     digests = digests or {n: tensor_digest(t) for n, t in state.items()}
@@ -259,7 +261,8 @@ def anchor_header(state: Mapping[str, torch.Tensor], *, version: int,
                               changed=t.numel(), encoding="full") for n, t in sorted(state.items())}
     sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
     return Header(kind="anchor", version=version, base_version=base_version,
-                  base_commitment=base_commitment, commitment=commitment(base_commitment, sd),
+                  base_commitment=base_commitment, via=list(via),
+                  commitment=chain_commitment(base_commitment, [*via, sd]),
                   state_digest=sd, tensors=entries)
 
 

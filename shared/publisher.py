@@ -112,7 +112,8 @@ class DeltaPublisher:
                 self._digests[name] = enc.entry.digest
                 encoded[name] = enc
         header, tensors = build_delta(encoded, version=version, base_version=self.version,
-                                      base_commitment=self.commitment)
+                                      base_commitment=self.commitment,
+                                      base_state_digest=self.state_digest)
         delta = save_delta(header, tensors)
         changed = header.changed
         report = PublishReport(version=version, kind="delta", changed=changed, numel=header.numel,
@@ -182,6 +183,7 @@ class DeltaPublisher:
                 raise ValueError(f"{self.store.uri} already holds a chain at v{latest.version} whose "
                                  "state differs from this model; use an empty store or prefix")
             log.info("continuing the chain in %s at v%d", self.store.uri, latest.version)
+            self._since_anchor_bytes, self._since_anchor = self._catchup_since_anchor(latest.version)
             return latest.version, latest.commitment
         report = PublishReport(version=0, kind="anchor", changed=header.numel, numel=header.numel,
                                payload_bytes=0, dense_bytes=self._dense_bytes,
@@ -196,6 +198,17 @@ class DeltaPublisher:
             self._put(_Job(header, {anchor_key(0): path},
                            [ref_for("anchor", header, anchor_key(0), path)], report, tmp))
         return 0, header.commitment
+
+    def _catchup_since_anchor(self, version: int) -> tuple[int, int]:
+        """Delta bytes and count since the newest anchor, for an anchor policy that resumes."""
+        total, count = 0, 0
+        for v in range(version, -1, -1):
+            m = self.chain.manifest(v)
+            if m.object("anchor") is not None:
+                break
+            d = m.object("delta")
+            total, count = total + (d.size if d else 0), count + 1
+        return total, count
 
     def _put(self, job: _Job) -> None:
         self._queue.put(job)  # blocks while uploads are behind by queue_size versions

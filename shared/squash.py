@@ -89,6 +89,7 @@ def squash(files: list[DeltaFile]) -> bytes:
         encoded[name] = _encode(name, entry, acc)
     header, tensors = build_delta(encoded, version=last.version, base_version=first.base_version,
                                   base_commitment=first.base_commitment,
+                                  base_state_digest=first.base_state_digest,
                                   via=[s for f in files[:-1] for s in (*f.header.via, f.header.state_digest)]
                                   + list(last.via))
     return save_delta(header, tensors)

@@ -1,0 +1,185 @@
+"""``deltasync``: diff, apply, inspect and digest checkpoints; push, pull and log version chains."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .apply import apply_delta, commit, flat_bits, make_patch
+from .chain import Chain, reconstruct
+from .checkpoint import load_state, save_state
+from .codec import DeltaFile, Header, anchor_header, encode_delta, read_header, save_anchor
+from .digest import state_digest
+from .errors import DeltaError
+from .stores import open_store
+from .trl_format import is_trl_delta, read_trl_delta
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+out = Console()
+err = Console(stderr=True)
+
+
+def _fail(e: Exception) -> None:
+    err.print(f"[bold red]error[/]: {e}")
+    raise typer.Exit(1)
+
+
+def _load(path: Path) -> tuple[dict, Header | None]:
+    """A checkpoint and, when it is a deltasync anchor, the chain position it records."""
+    state = load_state(path)
+    try:
+        header = read_header(path) if path.is_file() else None
+    except DeltaError:
+        header = None
+    return state, header
+
+
+def _write_checkpoint(state: dict, h: Header, output: Path) -> None:
+    """Save as an anchor that keeps its chain position, so it can be the base of later deltas."""
+    header = anchor_header(state, version=h.version, base_version=h.base_version,
+                           base_commitment=h.base_commitment, via=h.via)
+    assert header.commitment == h.commitment and header.state_digest == h.state_digest
+    tmp = output.with_name(output.name + ".tmp")
+    save_anchor(state, tmp, header)
+    tmp.replace(output)  # never a half-written output
+    out.print(f"{output}: v{h.version}, state digest {h.state_digest}")
+
+
+@app.command()
+def diff(base: Path, new: Path, output: Path = typer.Option(..., "-o", "--output"),
+         version: int = typer.Option(None, help="version of NEW (default: base's + 1)")) -> None:
+    """Write the exact delta taking BASE to NEW."""
+    try:
+        b, bh = _load(base)
+        n, _ = _load(new)
+        base_header = bh or anchor_header(b, version=0)
+        data = encode_delta(b, n, version=version or base_header.version + 1,
+                            base_version=base_header.version, base_commitment=base_header.commitment,
+                            base_state_digest=base_header.state_digest)
+    except (DeltaError, FileNotFoundError) as e:
+        _fail(e)
+    output.write_bytes(data)
+    h = DeltaFile.from_bytes(data).header
+    out.print(f"{output}: v{h.base_version}->v{h.version}, {h.changed:,} of {h.numel:,} elements "
+              f"changed, {len(data):,} bytes ({len(data) / max(h.changed, 1):.2f} B/changed element)")
+
+
+@app.command()
+def apply(base: Path, delta: Path, output: Path = typer.Option(..., "-o", "--output")) -> None:
+    """Apply DELTA (deltasync, or the TRL prototype's format) to BASE and write the result.
+
+    Nothing is written unless the delta fits the base and the result matches its digests.
+    """
+    try:
+        state, bh = _load(base)
+        if is_trl_delta(delta):
+            patches = [make_patch(c, flat_bits(state[c.name])) for c in read_trl_delta(delta, state)]
+            commit(patches)
+            save_state(state, output)
+            out.print(f"{output}: applied {len(patches)} tensors from a TRL sparse delta (unverifiable)")
+            return
+        d = DeltaFile.open(delta)
+        if bh is not None:
+            h = apply_delta(d, state, version=bh.version, commitment=bh.commitment)
+        else:
+            h = apply_delta(d, state, state_digest=state_digest(state))
+        if state_digest(state) != h.state_digest:
+            raise DeltaError("digest_mismatch", "result's state digest differs from the delta's")
+    except (DeltaError, FileNotFoundError, KeyError) as e:
+        _fail(e)
+    _write_checkpoint(state, h, output)
+
+
+@app.command()
+def inspect(delta: Path, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Describe an anchor or delta file."""
+    try:
+        h = read_header(delta)
+    except (DeltaError, FileNotFoundError) as e:
+        _fail(e)
+    size = delta.stat().st_size
+    if as_json:
+        print(json.dumps(json.loads(h.model_dump_json()) | {"file_bytes": size}, indent=1))
+        return
+    out.print(f"[bold]{delta}[/]: {h.kind} v{h.version}"
+              + (f" (from v{h.base_version})" if h.base_version is not None else "")
+              + f", {size:,} bytes, {h.changed:,}/{h.numel:,} elements changed "
+              f"({h.changed / max(h.numel, 1):.3%}), dense {h.dense_bytes:,} bytes")
+    out.print(f"commitment {h.commitment}\nbase       {h.base_commitment or '(genesis)'}\n"
+              f"state      {h.state_digest}")
+    t = Table("tensor", "dtype", "shape", "changed", "encoding", "positions")
+    for name, e in h.tensors.items():
+        t.add_row(name, e.dtype, "x".join(map(str, e.shape)) or "()", f"{e.changed:,}", e.encoding,
+                  e.positions or "")
+    out.print(t)
+
+
+@app.command()
+def digest(checkpoint: Path) -> None:
+    """Print the state digest of a checkpoint (file or sharded folder)."""
+    try:
+        print(state_digest(load_state(checkpoint)))
+    except FileNotFoundError as e:
+        _fail(e)
+
+
+@app.command()
+def push(store: str, checkpoint: Path) -> None:
+    """Publish CHECKPOINT as the store's next version (a delta, plus an anchor by policy)."""
+    from .publisher import DeltaPublisher
+
+    try:
+        new = load_state(checkpoint)
+        chain = Chain(open_store(store))
+        state = reconstruct(chain, progress=True)[0] if chain.latest() is not None else new
+        with DeltaPublisher(state, chain.store) as pub:
+            if state is not new:
+                if set(state) != set(new):
+                    raise DeltaError("shape_mismatch", "checkpoint's tensors differ from the chain's")
+                for n in state:
+                    state[n].copy_(new[n])
+                r = pub.publish()
+                out.print(f"v{r.version} ({r.kind}): {r.changed:,} changed, {r.payload_bytes:,} bytes")
+            else:
+                out.print(f"v0 (anchor): {pub.state_digest}")
+    except (DeltaError, FileNotFoundError, ValueError) as e:
+        _fail(e)
+
+
+@app.command()
+def pull(store: str, output: Path = typer.Option(..., "-o", "--output"),
+         version: int = typer.Option(None, help="default: latest")) -> None:
+    """Rebuild a version from the store, verified, as a checkpoint file."""
+    try:
+        state, h = reconstruct(Chain(open_store(store)), version, progress=True)
+    except (DeltaError, FileNotFoundError) as e:
+        _fail(e)
+    _write_checkpoint(state, h, output)
+
+
+@app.command("log")
+def log_(store: str, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the versions in a store."""
+    chain = Chain(open_store(store))
+    manifests = [chain.manifest(v) for v in chain.versions()]
+    if as_json:
+        print(json.dumps([json.loads(m.model_dump_json()) for m in manifests], indent=1))
+        return
+    latest = chain.latest()
+    t = Table("version", "objects", "bytes", "changed", "commitment", title=f"{store} (latest v"
+              f"{latest.version if latest else '-'})")
+    for m in manifests:
+        objs = ", ".join(o.kind + (f" from v{o.base_version}" if o.kind == "delta" else "")
+                         + (f" = {o.external}" if o.external else "") for o in m.objects)
+        t.add_row(str(m.version), objs, f"{sum(o.size for o in m.objects):,}",
+                  f"{m.changed / max(m.numel, 1):.3%}", m.commitment[:16])
+    out.print(t)
+
+
+if __name__ == "__main__":
+    sys.exit(app())
