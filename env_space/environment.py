@@ -1,0 +1,270 @@
+"""The OpenEnv ``Environment`` that presents a Wordle game the way TextArena does.
+
+The game rules live in ``env_space.wordle``; this module only turns moves into
+TextArena-shaped observations: a ``PROMPT`` message at reset, then for every
+move the player's own text (``PLAYER_ACTION``) followed by the game's answer --
+``GAME_MESSAGE`` with ``Feedback:`` and a row of G/Y/X for an accepted guess,
+``GAME_ADMIN`` for invalid moves and for the end of the game. The message list
+is the whole conversation so far, which is what TRL's Wordle example turns
+into the next prompt.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import EnvironmentMetadata
+
+from env_space import __version__
+from env_space.models import (
+    ENV_ID,
+    GAME_SENDER_ID,
+    PLAYER_ID,
+    WordleAction,
+    WordleMessage,
+    WordleObservation,
+    WordleState,
+)
+from env_space.wordle import (
+    MAX_GUESSES,
+    MAX_INVALID_MOVES,
+    GameOverError,
+    MoveResult,
+    WordleGame,
+    marks_to_str,
+    target_for_seed,
+)
+from env_space.words import WORD_LENGTH, load_word_lists
+
+# Echoed player text is capped so a model that rambles cannot bloat every later observation.
+MAX_ECHO_CHARS = 300
+
+
+class EpisodeNotStartedError(RuntimeError):
+    """``step`` before any ``reset``."""
+
+
+class EpisodeFinishedError(RuntimeError):
+    """``step`` after the game has ended; the client must ``reset``."""
+
+
+class SessionExpiredError(RuntimeError):
+    """The server closed this environment (idle expiry or shutdown)."""
+
+
+def game_prompt(max_guesses: int = MAX_GUESSES) -> str:
+    return (
+        "You are Playing Wordle.\n"
+        f"A secret {WORD_LENGTH}-letter word has been chosen. "
+        f"You have {max_guesses} attempts to guess it.\n"
+        "For each guess, wrap your word in square brackets (e.g., '[apple]').\n"
+        "Feedback for each letter will be given as follows:\n"
+        "  - G (green): correct letter in the correct position\n"
+        "  - Y (yellow): letter exists in the word but in the wrong position\n"
+        "  - X (wrong): letter is not in the word\n"
+        "A letter guessed more often than the word contains it is marked X on the extra copies.\n"
+        "Invalid moves (no brackets, wrong length, unknown or repeated word) cost a small "
+        "penalty but no attempt.\n"
+        "Enter your guess to begin.\n"
+    )
+
+
+class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState]):
+    """One isolated Wordle session; the server makes one per WebSocket or HTTP session."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+    # Moves take microseconds: one shared worker thread serves every session
+    # instead of a thread per session.
+    REQUIRES_SINGLE_THREAD_EXECUTOR = True
+
+    def __init__(self, max_invalid_moves: int = MAX_INVALID_MOVES) -> None:
+        super().__init__()
+        self._words = load_word_lists()
+        self._max_invalid_moves = max_invalid_moves
+        self._game: WordleGame | None = None
+        self._messages: list[WordleMessage] = []
+        self._state = WordleState(max_turns=MAX_GUESSES)
+        self._closed = False
+
+    # -- OpenEnv API -------------------------------------------------------------
+
+    def reset(
+        self,
+        seed: Optional[int] = None,
+        episode_id: Optional[str] = None,
+        **kwargs: Any,
+    ) -> WordleObservation:
+        self._check_open()
+        target = target_for_seed(seed, self._words.answers)
+        self._game = WordleGame(
+            target=target, words=self._words, max_invalid_moves=self._max_invalid_moves
+        )
+        prompt = game_prompt()
+        self._messages = [WordleMessage(sender_id=GAME_SENDER_ID, content=prompt, category="PROMPT")]
+        self._state = WordleState(
+            episode_id=episode_id or str(uuid.uuid4()),
+            step_count=0,
+            max_turns=MAX_GUESSES,
+        )
+        self._state.raw_state = self._raw_state()
+        return self._observation(reward=0.0, done=False, info={})
+
+    def step(
+        self,
+        action: WordleAction,
+        timeout_s: Optional[float] = None,
+        **kwargs: Any,
+    ) -> WordleObservation:
+        self._check_open()
+        if self._game is None:
+            raise EpisodeNotStartedError("no game in progress; send reset first")
+        if self._game.done:
+            raise EpisodeFinishedError("the game is over; send reset to start a new one")
+        try:
+            result = self._game.play(action.message)
+        except GameOverError as exc:  # pragma: no cover - guarded above
+            raise EpisodeFinishedError(str(exc)) from exc
+
+        self._messages.append(
+            WordleMessage(
+                sender_id=PLAYER_ID, content=_clip(action.message), category="PLAYER_ACTION"
+            )
+        )
+        self._messages.extend(self._game_messages(result))
+        info = self._info(result)
+
+        self._state.step_count += 1
+        self._state.turn = len(self._game.history)
+        self._state.last_reward = result.reward
+        self._state.last_info = info
+        self._state.raw_state = self._raw_state()
+        return self._observation(reward=result.reward, done=result.done, info=info)
+
+    @property
+    def state(self) -> WordleState:
+        self._check_open()
+        return self._state
+
+    def close(self) -> None:
+        self._closed = True
+
+    def get_metadata(self) -> EnvironmentMetadata:
+        return EnvironmentMetadata(
+            name="Wordle",
+            description=(
+                "Wordle (TextArena Wordle-v0 compatible): guess a 5-letter word in 6 tries; "
+                "actions are messages like '[crane]'."
+            ),
+            version=__version__,
+        )
+
+    # -- helpers -----------------------------------------------------------------
+
+    @property
+    def game(self) -> WordleGame | None:
+        """The running game, for the in-process web page."""
+        return self._game
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionExpiredError(
+                "this session was closed by the server (idle expiry); reconnect and reset"
+            )
+
+    def _observation(self, *, reward: float, done: bool, info: dict[str, Any]) -> WordleObservation:
+        return WordleObservation(
+            prompt=self._messages[0].content,
+            messages=list(self._messages),
+            info=info,
+            reward=reward,
+            done=done,
+            metadata={"env_id": ENV_ID, "turn": self._state.turn},
+        )
+
+    def _game_messages(self, result: MoveResult) -> list[WordleMessage]:
+        game = self._game
+        assert game is not None
+        out: list[WordleMessage] = []
+        if result.invalid is not None:
+            out.append(
+                _game_msg(
+                    "You attempted an invalid move. Reason: "
+                    f"{result.invalid_detail} Please resubmit a valid move.",
+                    "GAME_ADMIN",
+                )
+            )
+        else:
+            assert result.guess is not None and result.marks is not None
+            left = game.guesses_left
+            out.append(
+                _game_msg(
+                    f"You submitted [{result.guess}].\nFeedback:\n"
+                    f"{' '.join(result.guess.upper())}\n"
+                    f"{' '.join(m.value for m in result.marks)}\n"
+                    f"You have {left} {'guess' if left == 1 else 'guesses'} left.",
+                    "GAME_MESSAGE",
+                )
+            )
+        if result.done:
+            if result.won:
+                text = (
+                    "Congratulations! You guessed the word correctly in "
+                    f"{len(game.history)} {'guess' if len(game.history) == 1 else 'guesses'}!"
+                )
+            else:
+                text = f"Game over. The secret word was: **{game.target}**."
+            out.append(_game_msg(text, "GAME_ADMIN"))
+        return out
+
+    def _info(self, result: MoveResult) -> dict[str, Any]:
+        """Per-step details; ``reward_signals`` uses the names OpenEnv's TextArena Wordle emits."""
+        game = self._game
+        assert game is not None
+        greens = yellows = 0
+        if result.marks is not None:
+            greens = sum(m.value == "G" for m in result.marks)
+            yellows = sum(m.value == "Y" for m in result.marks)
+        info: dict[str, Any] = {
+            "valid": result.invalid is None,
+            "guess": result.guess,
+            "feedback": marks_to_str(result.marks) if result.marks else None,
+            "guesses_left": game.guesses_left,
+            "invalid_moves": game.invalid_moves,
+            "won": result.won,
+            "reward_signals": {
+                "wordle.greens": greens / WORD_LENGTH,
+                "wordle.yellows": yellows / WORD_LENGTH,
+                "wordle.repetitions": 0.0 if result.invalid and result.invalid.value == "repeated" else 1.0,
+                "wordle.correct": 1.0 if result.won else 0.0,
+            },
+        }
+        if result.invalid is not None:
+            info["invalid_reason"] = result.invalid.value
+            info["invalid_detail"] = result.invalid_detail
+        return info
+
+    def _raw_state(self) -> dict[str, Any]:
+        game = self._game
+        if game is None:
+            return {}
+        raw: dict[str, Any] = {
+            "guesses": [w for w, _ in game.history],
+            "feedback": [marks_to_str(m) for _, m in game.history],
+            "guesses_left": game.guesses_left,
+            "invalid_moves": game.invalid_moves,
+            "done": game.done,
+            "won": game.won,
+        }
+        if game.done:
+            raw["secret_word"] = game.target
+        return raw
+
+
+def _game_msg(content: str, category: str) -> WordleMessage:
+    return WordleMessage(sender_id=GAME_SENDER_ID, content=content, category=category)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_ECHO_CHARS else text[: MAX_ECHO_CHARS - 1] + "…"
