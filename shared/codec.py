@@ -12,9 +12,10 @@ also a loadable checkpoint) or a *delta*. In a delta each changed tensor ``name`
   exact base) or the new bits (``"set"``, idempotent). Whichever is smaller wins per tensor.
 
 Tensors of other dtypes that changed are stored whole under their own name (``"full"``).
-The safetensors metadata key ``deltasync`` holds a JSON :class:`Header`: versions, base and target
-commitments, state digest and, for every tensor, its dtype, shape, digest, change count,
-encoding and blob digests (so damage is found before any weight changes).
+The safetensors metadata key ``deltasync`` holds a JSON :class:`Header` (checksummed by
+``deltasync_blake3``): versions, base and target commitments, state digest and, for every tensor,
+its dtype, shape, digest, change count, encoding and blob digests, so damage anywhere in the
+file is found before any weight changes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from .digest import (
     TORCH_DTYPES,
     commitment,
     dtype_name,
+    raw_bytes,
+    state_digest,
     state_digest_from_entries,
     tensor_digest,
 )
@@ -197,11 +200,14 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
     entry = TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape),
                         digest=digest or tensor_digest(new))
     if new.dtype not in INT_VIEW:
-        if torch.equal(old.view(torch.uint8) if old.numel() else old, new.view(torch.uint8) if new.numel() else new):
+        if raw_bytes(old) == raw_bytes(new):
             return EncodedTensor(entry, {})
+        size = new.element_size()
+        changed = int((old.reshape(-1).view(torch.uint8).view(-1, size)
+                       != new.reshape(-1).view(torch.uint8).view(-1, size)).any(1).sum())
         if update:
             old.copy_(new)
-        entry = entry.model_copy(update={"encoding": "full", "changed": new.numel()})
+        entry = entry.model_copy(update={"encoding": "full", "changed": changed})
         return EncodedTensor(entry, {name: new.clone()})
     changes = find_changes(old, new, update=update)
     if changes is None:  # dense change: send every element
@@ -219,7 +225,8 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
 
 
 def _metadata(header: Header) -> dict[str, str]:
-    return {"format": FORMAT, "deltasync": header.model_dump_json()}
+    text = header.model_dump_json()
+    return {"format": FORMAT, "deltasync": text, "deltasync_blake3": blake3.blake3(text.encode()).hexdigest()}
 
 
 def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_version: int,
@@ -245,6 +252,7 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     """Delta file bytes taking ``base`` to ``new`` (same names, shapes and dtypes)."""
     if set(base) != set(new):
         raise DeltaError("shape_mismatch", f"tensor names differ: {sorted(set(base) ^ set(new))[:5]}")
+    base_state_digest = base_state_digest or state_digest(base)
     encoded = {n: encode_tensor(n, base[n], new[n], update=update_base) for n in sorted(new)}
     header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                   base_commitment=base_commitment, base_state_digest=base_state_digest)
@@ -279,6 +287,8 @@ def _parse_header(raw: bytes) -> Header:
         meta = json.loads(raw).get("__metadata__") or {}
         if meta.get("format") != FORMAT or "deltasync" not in meta:
             raise DeltaError("format", "not a deltasync file (no deltasync metadata)")
+        if blake3.blake3(meta["deltasync"].encode()).hexdigest() != meta.get("deltasync_blake3"):
+            raise DeltaError("corrupt", "header checksum mismatch")
         header = Header.model_validate_json(meta["deltasync"])
     except (ValueError, ValidationError, AttributeError) as e:
         raise DeltaError("format", f"unreadable header: {str(e).splitlines()[0]}") from None
