@@ -67,14 +67,14 @@ class DeltaPublisher:
 
     ``model`` is an ``nn.Module`` or a name->tensor mapping, in checkpoint coordinates (tied
     weights once). fp32 master weights are compared after the cast to ``dtype``, which is what
-    replicas serve. ``external_base`` names a checkpoint every replica already has (a Hub id or
+    replicas serve (``dtype=None`` publishes every tensor in its own dtype). ``external_base`` names a checkpoint every replica already has (a Hub id or
     path): then version 0 is not uploaded, and replicas check its state digest instead.
     """
 
     def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], store: Store | str, *,
                  replicas: Sequence[str] = (), token: str | None = None,
                  policy: AnchorPolicy | None = None, keep_anchors: int = 2,
-                 dtype: torch.dtype = torch.bfloat16, external_base: str | None = None,
+                 dtype: torch.dtype | None = torch.bfloat16, external_base: str | None = None,
                  queue_size: int = 2, retries: int = 4, backoff_s: float = 0.5,
                  notify_timeout_s: float = 120.0,
                  on_report: Callable[[PublishReport], None] | None = None):
@@ -163,7 +163,9 @@ class DeltaPublisher:
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
-        return (t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t).cpu().contiguous()
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t.cpu().contiguous()
 
     def _write_anchor(self, version: int, base_version: int | None, base_commitment: str):
         tmp = tempfile.TemporaryDirectory(prefix="deltasync-anchor-")
