@@ -1,0 +1,96 @@
+"""The ``deltasync`` CLI end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from shared.checkpoint import load_state, save_state
+from shared.digest import state_digest
+
+from .helpers import perturb
+
+CLI = [sys.executable, "-m", "shared.cli"]
+
+
+def run(*args, ok=True):
+    p = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert (p.returncode == 0) == ok, p.stdout + p.stderr
+    return p
+
+
+def test_diff_apply_inspect_digest(tiny_model_dir, tmp_path):
+    base = tiny_model_dir / "model.safetensors"
+    s0 = load_state(base)
+    s1 = perturb(s0, 0.01, 1)
+    save_state(s1, tmp_path / "new.safetensors")
+    run("diff", base, tmp_path / "new.safetensors", "-o", tmp_path / "d.safetensors")
+    run("apply", base, tmp_path / "d.safetensors", "-o", tmp_path / "out.safetensors")
+    assert run("digest", tmp_path / "out.safetensors").stdout.strip() == state_digest(s1)
+    assert run("digest", tiny_model_dir).stdout.strip() == state_digest(s0)  # a model folder
+    info = json.loads(run("inspect", tmp_path / "d.safetensors", "--json").stdout)
+    assert info["kind"] == "delta" and info["version"] == 1 and info["state_digest"] == state_digest(s1)
+    assert "model.embed_tokens.weight" in run("inspect", tmp_path / "d.safetensors").stdout
+    # the output is itself a base for the next delta
+    s2 = perturb(s1, 0.01, 2)
+    save_state(s2, tmp_path / "new2.safetensors")
+    run("diff", tmp_path / "out.safetensors", tmp_path / "new2.safetensors", "-o", tmp_path / "d2.safetensors")
+    run("apply", tmp_path / "out.safetensors", tmp_path / "d2.safetensors", "-o", tmp_path / "out2.safetensors")
+    assert run("digest", tmp_path / "out2.safetensors").stdout.strip() == state_digest(s2)
+
+
+def test_apply_refuses_and_writes_nothing(tiny_model_dir, tmp_path):
+    base = tiny_model_dir / "model.safetensors"
+    s1 = perturb(load_state(base), 0.01, 1)
+    save_state(s1, tmp_path / "new.safetensors")
+    run("diff", base, tmp_path / "new.safetensors", "-o", tmp_path / "d.safetensors")
+    # wrong base: the new checkpoint itself
+    p = run("apply", tmp_path / "new.safetensors", tmp_path / "d.safetensors", "-o", tmp_path / "x", ok=False)
+    assert "wrong_base" in p.stderr and not (tmp_path / "x").exists()
+    # damaged delta
+    raw = bytearray((tmp_path / "d.safetensors").read_bytes())
+    raw[-10] ^= 0x40
+    (tmp_path / "bad.safetensors").write_bytes(bytes(raw))
+    p = run("apply", base, tmp_path / "bad.safetensors", "-o", tmp_path / "y", ok=False)
+    assert "corrupt" in p.stderr and not (tmp_path / "y").exists()
+
+
+def test_trl_prototype_format_imports(tiny_model_dir, tmp_path):
+    import safetensors.torch
+
+    base = tiny_model_dir / "model.safetensors"
+    s0 = load_state(base)
+    s1 = perturb(s0, 0.01, 5)
+    tensors = {}
+    for name in s0:
+        a, b = s0[name].reshape(-1), s1[name].reshape(-1)
+        idx = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).reshape(-1)
+        tensors[f"{name}.indices"] = idx.to(torch.int32)
+        tensors[f"{name}.values"] = b[idx].contiguous()
+    safetensors.torch.save_file(tensors, tmp_path / "trl.safetensors",
+                                metadata={"sparse": "true", "changed_params": str(len(s0))})
+    run("apply", base, tmp_path / "trl.safetensors", "-o", tmp_path / "out.safetensors")
+    assert state_digest(load_state(tmp_path / "out.safetensors")) == state_digest(s1)
+
+
+def test_push_pull_log(tiny_model_dir, tmp_path):
+    store = tmp_path / "store"
+    base = tiny_model_dir / "model.safetensors"
+    states = [load_state(base)]
+    run("push", store, base)
+    for i in range(3):
+        states.append(perturb(states[-1], 0.01, 10 + i))
+        save_state(states[-1], tmp_path / f"c{i}.safetensors")
+        run("push", store, tmp_path / f"c{i}.safetensors")
+    log = json.loads(run("log", store, "--json").stdout)
+    assert [m["version"] for m in log] == [0, 1, 2, 3]
+    assert "latest v3" in run("log", store).stdout
+    for v in (1, 3):
+        run("pull", store, "-o", tmp_path / f"p{v}.safetensors", "--version", v)
+        assert state_digest(load_state(tmp_path / f"p{v}.safetensors")) == state_digest(states[v])
+    p = run("push", store, tmp_path / "p1.safetensors")  # going back is just another version
+    assert "v4" in p.stdout
