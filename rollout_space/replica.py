@@ -1,0 +1,267 @@
+"""The live weights of one engine rank, in checkpoint coordinates: stage, commit, revert, audit.
+
+An update is split so that generation stops only for the write:
+
+* **stage** (while serving): parse and verify the delta (header checksum, base commitment and
+  version, every blob's blake3), check that every tensor the delta leaves unchanged has the digest
+  this replica holds, map changed positions to engine parameters, gather the live bits there,
+  compute the new bits (``old ^ xor`` or the new values), and by default predict every touched
+  tensor's digest after the write (one tensor-sized scratch copy at a time). Any failure here is
+  a refusal and no weight has changed.
+* **commit** (paused): one ``index_copy_`` per (tensor, parameter) pair. Retrying is idempotent;
+  an error part-way reverts what was written with one more ``index_copy_`` of the old bits.
+* **audit** (serving again): read the touched tensors back from the engine, in checkpoint
+  coordinates, and compare with the delta's digests; a mismatch means the write did not land
+  where generation reads (e.g. a packed-weight backend) and the caller reverts.
+
+Anchors and external checkpoints are dense: they go through the model's own ``load_weights``
+and the whole live state digest is checked afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared.apply import Patch, check_base
+from shared.changes import INT_VIEW
+from shared.codec import DeltaFile, Header, TensorChange
+from shared.digest import TORCH_DTYPES, commitment as chain_step, state_digest_from_entries, tensor_digest
+from shared.errors import DeltaError
+
+from .mapping import LiveMap
+
+
+@dataclass
+class Held:
+    """What this rank serves: the version, its commitment and every tensor's digest."""
+
+    version: int | None
+    commitment: str
+    digests: dict[str, str]
+    specs: dict[str, tuple[str, list[int]]]
+
+    @property
+    def state_digest(self) -> str:
+        return state_digest_from_entries({n: (d, s, self.digests[n]) for n, (d, s) in self.specs.items()})
+
+
+@dataclass
+class Staged:
+    header: Header
+    patches: list[Patch]
+    changed: int
+    previous: Held | None = None
+    committed: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def touched(self) -> list[str]:
+        return sorted({p.name for p in self.patches})
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT_VIEW[t.dtype]) if t.dtype in INT_VIEW else t
+
+
+class LiveWeights:
+    def __init__(self, model: torch.nn.Module, live: LiveMap,
+                 specs: Mapping[str, tuple[str, list[int]]], digests: Mapping[str, str]):
+        self.model, self.live = model, live
+        self.held = Held(None, "", dict(digests), dict(specs))
+
+    # ------------------------------------------------------------------ reading
+    def digest(self, name: str) -> str:
+        return tensor_digest(self.live.read(name))
+
+    def live_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """Digests read back from the engine (mapped tensors; ignored ones keep the held digest)."""
+        names = list(self.held.specs) if names is None else list(names)
+        out = {}
+        for n in names:
+            out[n] = self.digest(n) if n in self.live.map.tensors else self.held.digests[n]
+        return out
+
+    def live_state_digest(self) -> str:
+        d = self.live_digests()
+        return state_digest_from_entries({n: (dt, s, d[n]) for n, (dt, s) in self.held.specs.items()})
+
+    # ------------------------------------------------------------------ sparse path
+    def check(self, header: Header) -> None:
+        """Refuse, before touching anything, a delta that does not fit what this rank holds."""
+        if header.kind != "delta":
+            raise DeltaError("format", f"v{header.version} is an anchor; load it densely")
+        check_base(header, version=self.held.version, commitment=self.held.commitment,
+                   state_digest=None)
+        names = set(header.tensors)
+        if names != set(self.held.specs):
+            diff = sorted(names ^ set(self.held.specs))
+            raise DeltaError("shape_mismatch", f"delta and replica name different tensors: {diff[:3]}")
+        for name, e in header.tensors.items():
+            dtype, shape = self.held.specs[name]
+            if e.dtype != dtype or e.shape != shape:
+                raise DeltaError("shape_mismatch", f"{name}: delta says {e.dtype}{e.shape}, "
+                                 f"replica holds {dtype}{shape}")
+            if e.encoding == "same" and e.digest != self.held.digests[name]:
+                raise DeltaError("wrong_base", f"{name}: delta keeps digest {e.digest[:12]}…, "
+                                 f"replica holds {self.held.digests[name][:12]}…")
+            if e.encoding != "same" and name not in self.live.map.tensors:
+                raise DeltaError("shape_mismatch", f"{name} changes but the engine does not hold it")
+
+    def stage(self, delta: DeltaFile, *, predict: bool = True) -> Staged:
+        t0 = time.perf_counter()
+        header = delta.header
+        self.check(header)
+        patches: list[Patch] = []
+        changed = 0
+        t_decode = t_gather = t_predict = 0.0
+        with torch.no_grad():
+            it = iter(delta.changes())
+            while True:
+                a = time.perf_counter()
+                change = next(it, None)
+                t_decode += time.perf_counter() - a
+                if change is None:
+                    break
+                a = time.perf_counter()
+                pieces = self._patches_for(change)
+                patches += [p for p, _, _ in pieces]
+                changed += header.tensors[change.name].changed
+                t_gather += time.perf_counter() - a
+                if predict:
+                    a = time.perf_counter()
+                    self._predict(change, pieces, header.tensors[change.name].digest)
+                    t_predict += time.perf_counter() - a
+        return Staged(header, patches, changed, timings={
+            "decode_s": t_decode, "gather_s": t_gather, "predict_s": t_predict,
+            "stage_s": time.perf_counter() - t0})
+
+    def _patches_for(self, change: TensorChange) -> list[tuple[Patch, torch.Tensor | None, torch.Tensor]]:
+        """(patch, checkpoint positions or None for all, new checkpoint bits) per parameter."""
+        ck_dtype = TORCH_DTYPES[self.held.specs[change.name][0]]
+        full = change.bits.reshape(-1) if change.mode == "full" else None
+        if full is not None:
+            full = _bits(full)
+        out = []
+        for pl in self.live.locate(change.name, change.positions):
+            flat = self.live.flats[pl.param]
+            same = flat.dtype == ck_dtype
+            target = _bits(flat) if same else flat
+            old = target.index_select(0, pl.dest)
+            old_ck = old if same else _bits(old.to(ck_dtype))
+            if full is not None:
+                new_ck = full if pl.select is None else full[pl.select]
+            else:
+                bits = change.bits if pl.select is None else change.bits[pl.select]
+                new_ck = old_ck ^ bits if change.mode == "xor" else bits
+            new = new_ck if same else new_ck.view(ck_dtype).to(flat.dtype)
+            positions = change.positions
+            if pl.select is not None:
+                positions = (positions[pl.select] if positions is not None else pl.select)
+            out.append((Patch(change.name, target, pl.dest, new.contiguous(), old), positions, new_ck))
+        return out
+
+    def _predict(self, change: TensorChange, pieces, digest: str) -> None:
+        """Digest the tensor as it will be after the write, without writing."""
+        ck_dtype = TORCH_DTYPES[self.held.specs[change.name][0]]
+        after = self.live.read(change.name).reshape(-1).clone()
+        bits = _bits(after)
+        for _, positions, new_ck in pieces:
+            if positions is None:
+                bits.copy_(new_ck.view(bits.dtype) if new_ck.dtype != bits.dtype else new_ck)
+            else:
+                bits.index_copy_(0, positions, new_ck)
+        if after.dtype != ck_dtype:
+            after = after.to(ck_dtype)
+        if tensor_digest(after) != digest:
+            raise DeltaError("digest_mismatch", f"{change.name}: applying would not give the "
+                             "declared digest (wrong base or damaged delta); nothing written")
+
+    def commit(self, staged: Staged) -> float:
+        """Write; on an error part-way, undo what was written and re-raise. Returns seconds."""
+        t0 = time.perf_counter()
+        done: list[Patch] = []
+        with torch.no_grad():
+            try:
+                for p in staged.patches:
+                    p.apply()
+                    done.append(p)
+            except BaseException:
+                for p in reversed(done):
+                    p.revert()
+                raise
+        dt = time.perf_counter() - t0
+        staged.previous = Held(self.held.version, self.held.commitment, dict(self.held.digests),
+                               self.held.specs)
+        h = staged.header
+        for name in staged.touched:
+            self.held.digests[name] = h.tensors[name].digest
+        self.held.version, self.held.commitment = h.version, h.commitment
+        staged.committed = True
+        staged.timings["commit_s"] = dt
+        return dt
+
+    def revert(self, staged: Staged) -> float:
+        t0 = time.perf_counter()
+        if staged.committed:
+            with torch.no_grad():
+                for p in reversed(staged.patches):
+                    p.revert()
+            assert staged.previous is not None
+            self.held = staged.previous
+            staged.committed = False
+        return time.perf_counter() - t0
+
+    def audit(self, staged: Staged) -> list[str]:
+        """Touched tensors whose live digest is not the delta's (empty: the write landed)."""
+        return [n for n in staged.touched if self.digest(n) != staged.header.tensors[n].digest]
+
+    # ------------------------------------------------------------------ dense path
+    def load_dense(self, files: list[Path], *, version: int, commitment: str, state_digest: str,
+                   header: Header | None = None) -> dict[str, float]:
+        """Load full checkpoint files through ``load_weights``, then check the live state digest.
+
+        On a mismatch the engine holds weights of no version: ``held`` is marked unknown
+        (version None, empty commitment) and the caller must re-sync before serving.
+        """
+        from safetensors import safe_open
+
+        t0 = time.perf_counter()
+        ignored_digests: dict[str, str] = {}
+        with torch.no_grad():
+            for f in files:
+                with safe_open(str(f), framework="pt") as fh:
+                    names = [n for n in fh.keys() if n in self.held.specs]
+                    for n in names:
+                        if n not in self.live.map.tensors:
+                            ignored_digests[n] = tensor_digest(fh.get_tensor(n))
+                    self.model.load_weights((n, fh.get_tensor(n)) for n in names
+                                            if n in self.live.map.tensors)
+        t_load = time.perf_counter() - t0
+        digests = self.live_digests([n for n in self.held.specs if n in self.live.map.tensors])
+        for n in self.held.specs:
+            if n not in digests:
+                digests[n] = ignored_digests.get(n) or (header.tensors[n].digest if header else "")
+        sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in self.held.specs.items()})
+        if sd != state_digest:
+            self.held = Held(None, "", digests, self.held.specs)
+            raise DeltaError("digest_mismatch", f"after loading v{version} densely the live state "
+                             f"digest is {sd[:12]}…, expected {state_digest[:12]}…")
+        self.held = Held(version, commitment, digests, self.held.specs)
+        return {"load_s": t_load, "verify_s": time.perf_counter() - t0 - t_load}
+
+    def adopt(self, *, version: int, commitment: str, state_digest: str) -> None:
+        """Declare the weights already loaded to be ``version`` (an external genesis anchor that
+        is the model this engine started from), after checking the state digest."""
+        if self.held.state_digest != state_digest:
+            raise DeltaError("wrong_base", f"v{version} has state digest {state_digest[:12]}…, the "
+                             f"loaded model has {self.held.state_digest[:12]}…")
+        self.held.version, self.held.commitment = version, commitment
+
+
+def genesis_commitment(state_digest: str) -> str:
+    return chain_step("", state_digest)

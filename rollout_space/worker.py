@@ -1,0 +1,274 @@
+"""vLLM worker extension: exact deltas applied to the live parameters, in place.
+
+Passed to vLLM as ``worker_extension_cls="rollout_space.worker.DeltaWorkerExtension"``; vLLM mixes
+it into its worker class, and the server reaches it with ``collective_rpc("deltasync_...")``.
+The engine core runs in its own process, so every argument and result crosses as a JSON string
+(never pickle). Long work (staging, audits, digests) runs on one background thread of the worker
+process, so the engine keeps stepping while it runs; the server polls for the result. Only
+``deltasync_commit`` / ``deltasync_revert`` / ``deltasync_load`` write weights, and the server calls
+them while generation is paused.
+
+Importing this module installs :func:`rollout_space.cpu_weights.keep_plain_cpu_weights`, which
+must happen before the model is loaded; vLLM imports worker extensions at worker start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.checkpoint import checkpoint_files
+from shared.codec import DeltaFile
+from shared.digest import tensor_digest
+from shared.errors import DeltaError
+
+from .cpu_weights import keep_plain_cpu_weights
+from .mapping import EngineMap, LiveMap, build_map, checkpoint_specs, map_key, param_specs
+from .replica import LiveWeights, Staged
+
+keep_plain_cpu_weights()
+log = logging.getLogger("rollout_space.worker")
+
+
+def _ok(**result: Any) -> str:
+    return json.dumps({"ok": True, **result})
+
+
+def _err(e: BaseException) -> str:
+    if isinstance(e, DeltaError):
+        return json.dumps({"ok": False, "reason": e.reason, "message": e.message})
+    log.error("deltasync worker error: %s", traceback.format_exc())
+    return json.dumps({"ok": False, "reason": "internal", "message": f"{type(e).__name__}: {e}"})
+
+
+class _State:
+    """Per-worker state, created by ``deltasync_init``."""
+
+    def __init__(self, weights: LiveWeights, emap: EngineMap):
+        self.weights, self.map = weights, emap
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-stage")
+        self.jobs: dict[str, Future] = {}
+        self.staged: dict[str, Staged] = {}
+        self.ids = itertools.count(1)
+        self.lock = threading.Lock()  # weights are written only under it
+
+
+class DeltaWorkerExtension:
+    """Methods vLLM adds to its worker (names are prefixed to avoid clashing with the worker's)."""
+
+    # ------------------------------------------------------------------ helpers
+    def _ds(self) -> _State:
+        st = getattr(self, "_deltasync_state", None)
+        if st is None:
+            raise RuntimeError("deltasync_init has not run on this worker")
+        return st
+
+    def _ds_model(self) -> torch.nn.Module:
+        return self.model_runner.model  # type: ignore[attr-defined]
+
+    def _ds_rank(self) -> tuple[int, int]:
+        pc = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        return getattr(self, "rank", 0), pc.world_size
+
+    # ------------------------------------------------------------------ set-up
+    def deltasync_init(self, arg: str) -> str:
+        """Build (or load from cache) the checkpoint->engine map; reload real weights if probing
+        destroyed them; return the live state digest. ``arg``: {model_dir, map_cache}."""
+        try:
+            cfg = json.loads(arg)
+            model = self._ds_model()
+            files = checkpoint_files(cfg["model_dir"])
+            specs = checkpoint_specs(files)
+            rank, world = self._ds_rank()
+            import vllm
+
+            hf_config = self.vllm_config.model_config.hf_config.to_dict()  # type: ignore[attr-defined]
+            for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+                hf_config.pop(k, None)
+            key = map_key(specs, param_specs(model), config=hf_config, rank=rank, world=world,
+                          engine=f"vllm-{vllm.__version__}")
+            cache = Path(cfg["map_cache"]) / f"{key}.json"
+            t0 = time.perf_counter()
+            built = False
+            if cache.exists():
+                emap = EngineMap.load(cache)
+            else:
+                emap = build_map(model, specs, key=key, rank=rank, world=world)
+                emap.save(cache)
+                built = True
+                with torch.no_grad():  # probing overwrote the weights: load the real ones
+                    from safetensors import safe_open
+
+                    for f in files:
+                        with safe_open(str(f), framework="pt") as fh:
+                            model.load_weights((n, fh.get_tensor(n)) for n in fh.keys()
+                                               if n in emap.tensors)
+            t_map = time.perf_counter() - t0
+            live = LiveMap(emap, model)
+            digests: dict[str, str] = {}
+            if emap.ignored:
+                from safetensors import safe_open
+
+                for f in files:
+                    with safe_open(str(f), framework="pt") as fh:
+                        for n in fh.keys():
+                            if n in emap.ignored:
+                                digests[n] = tensor_digest(fh.get_tensor(n))
+            weights = LiveWeights(model, live, specs, digests)
+            t1 = time.perf_counter()
+            weights.held.digests.update(weights.live_digests(list(emap.tensors)))
+            if world == 1:  # the live state must be the checkpoint's, bit for bit
+                from safetensors import safe_open
+
+                for f in files:
+                    with safe_open(str(f), framework="pt") as fh:
+                        for n in fh.keys():
+                            if n in emap.tensors and tensor_digest(fh.get_tensor(n)) != weights.held.digests[n]:
+                                raise DeltaError("digest_mismatch", f"{n}: live weights differ from "
+                                                 f"{f.name} after loading")
+            self._deltasync_state = _State(weights, emap)
+            return _ok(state_digest=weights.held.state_digest, tensors=len(emap.tensors),
+                       ignored=emap.ignored, runs=emap.runs, map_built=built, map_s=t_map,
+                       map_build_s=emap.build_s, digest_s=time.perf_counter() - t1, key=key,
+                       pid=os.getpid())
+        except BaseException as e:  # noqa: BLE001 - reported to the server
+            return _err(e)
+
+    # ------------------------------------------------------------------ background jobs
+    def deltasync_submit(self, kind: str, arg: str = "") -> str:
+        """Start ``stage`` ({path, predict}), ``audit`` (stage id) or ``digest`` in the background."""
+        st = self._ds()
+        job = f"{kind}-{next(st.ids)}"
+        fn = {"stage": self._job_stage, "audit": self._job_audit, "digest": self._job_digest}[kind]
+        st.jobs[job] = st.pool.submit(fn, job, arg)
+        return job
+
+    def deltasync_poll(self, job: str) -> str:
+        """``{"done": false}`` while running, else the job's result (and it is forgotten)."""
+        st = self._ds()
+        fut = st.jobs.get(job)
+        if fut is None:
+            return json.dumps({"done": True, "ok": False, "reason": "internal",
+                               "message": f"unknown job {job}"})
+        if not fut.done():
+            return json.dumps({"done": False})
+        del st.jobs[job]
+        return json.dumps({"done": True, **json.loads(fut.result())})
+
+    def _job_stage(self, job: str, arg: str) -> str:
+        try:
+            a = json.loads(arg)
+            st = self._ds()
+            delta = DeltaFile.open(a["path"])
+            with st.lock:  # the weights must not change while we gather old bits
+                staged = st.weights.stage(delta, predict=a.get("predict", True))
+            st.staged[job] = staged
+            h = staged.header
+            return _ok(stage=job, version=h.version, base_version=h.base_version,
+                       changed=staged.changed, patches=len(staged.patches),
+                       tensors=len(staged.touched), **staged.timings)
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def _job_audit(self, job: str, stage: str) -> str:
+        try:
+            st = self._ds()
+            staged = st.staged[stage]
+            t0 = time.perf_counter()
+            with st.lock:
+                bad = st.weights.audit(staged)
+            return _ok(bad=bad, audit_s=time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def _job_digest(self, job: str, arg: str) -> str:
+        try:
+            st = self._ds()
+            t0 = time.perf_counter()
+            with st.lock:
+                digests = st.weights.live_digests()
+                held = st.weights.held
+                from shared.digest import state_digest_from_entries
+
+                sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in held.specs.items()})
+                mismatched = sorted(n for n in digests if digests[n] != held.digests[n])
+            return _ok(state_digest=sd, version=held.version, commitment=held.commitment,
+                       held_state_digest=held.state_digest, mismatched=mismatched,
+                       digest_s=time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    # ------------------------------------------------------------------ writes (paused)
+    def deltasync_commit(self, stage: str) -> str:
+        try:
+            st = self._ds()
+            staged = st.staged[stage]
+            with st.lock:
+                dt = st.weights.commit(staged)
+            return _ok(commit_s=dt, version=staged.header.version)
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def deltasync_revert(self, stage: str) -> str:
+        try:
+            st = self._ds()
+            staged = st.staged[stage]
+            with st.lock:
+                dt = st.weights.revert(staged)
+            return _ok(revert_s=dt, version=st.weights.held.version)
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def deltasync_release(self, stage: str) -> str:
+        """Forget a staged update (frees its old and new bits)."""
+        self._ds().staged.pop(stage, None)
+        return _ok()
+
+    def deltasync_load(self, arg: str) -> str:
+        """Dense load (anchor file or external checkpoint) + full check. ``arg``: {path, version,
+        commitment, state_digest, anchor}."""
+        try:
+            a = json.loads(arg)
+            st = self._ds()
+            header = None
+            if a.get("anchor"):
+                delta = DeltaFile.open(a["path"])
+                header = delta.header
+                if header.kind != "anchor" or header.version != a["version"] or \
+                        header.commitment != a["commitment"]:
+                    raise DeltaError("format", f"{a['path']} is not the anchor of v{a['version']}")
+                files = [Path(a["path"])]
+            else:
+                files = checkpoint_files(a["path"])
+            with st.lock:
+                st.staged.clear()
+                timings = st.weights.load_dense(files, version=a["version"], commitment=a["commitment"],
+                                                state_digest=a["state_digest"], header=header)
+            return _ok(version=a["version"], state_digest=st.weights.held.state_digest, **timings)
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def deltasync_adopt(self, arg: str) -> str:
+        try:
+            a = json.loads(arg)
+            st = self._ds()
+            with st.lock:
+                st.weights.adopt(version=a["version"], commitment=a["commitment"],
+                                 state_digest=a["state_digest"])
+            return _ok(version=a["version"])
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def deltasync_held(self) -> str:
+        h = self._ds().weights.held
+        return _ok(version=h.version, commitment=h.commitment, state_digest=h.state_digest)
