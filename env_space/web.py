@@ -96,7 +96,9 @@ def build_web_app() -> gr.Blocks:
         )
         env_state = gr.State(None)
         with gr.Row():
-            seed = gr.Number(label="Seed (optional, same seed = same word)", precision=0, elem_id="seed")
+            seed = gr.Number(
+                value=None, label="Seed (optional, same seed = same word)", precision=0, minimum=0, elem_id="seed"
+            )
             new_btn = gr.Button("New game", variant="secondary", elem_id="new-game")
         board = gr.HTML(render_board(None), elem_id="board")
         with gr.Row():
@@ -112,4 +114,6 @@ def build_web_app() -> gr.Blocks:
 
 def mount_web(app: FastAPI, path: str = "/web") -> FastAPI:
     """Mount the page on ``app`` (no SSR node server, no analytics: the Space is offline-safe)."""
-    return gr.mount_gradio_app(app, build_web_app(), path=path, css=CSS, ssr_mode=False)
+    # System fonts: the default theme would fetch web fonts, which an offline host cannot.
+    theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
+    return gr.mount_gradio_app(app, build_web_app(), path=path, css=CSS, theme=theme, ssr_mode=False)
