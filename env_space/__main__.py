@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from pydantic import ValidationError
+
 from env_space.server import ServerSettings
 
 
@@ -13,14 +15,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m env_space", description=__doc__)
     p.add_argument("--host", default=os.environ.get("HOST", "0.0.0.0"))
     p.add_argument("--port", type=int, default=int(os.environ.get("PORT", "7860")))
-    p.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
-                   help="cap on live sessions, WebSocket and HTTP together")
-    p.add_argument("--session-timeout", type=float, default=defaults.session_timeout_s,
-                   help="seconds of inactivity after which a session is reaped")
-    p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
-                   help="largest HTTP request body / WebSocket message accepted")
-    p.add_argument("--max-invalid-moves", type=int, default=defaults.max_invalid_moves,
-                   help="invalid moves after which a game ends")
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=defaults.max_sessions,
+        help="cap on live sessions, WebSocket and HTTP together",
+    )
+    p.add_argument(
+        "--session-timeout",
+        type=float,
+        default=defaults.session_timeout_s,
+        help="seconds of inactivity after which a session is reaped",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.max_body_bytes,
+        help="largest HTTP request body / WebSocket message accepted",
+    )
+    p.add_argument(
+        "--max-invalid-moves",
+        type=int,
+        default=defaults.max_invalid_moves,
+        help="invalid moves after which a game ends",
+    )
     p.add_argument("--no-web", action="store_true", help="do not mount the Gradio page at /web")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p.parse_args(argv)
@@ -28,13 +46,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    settings = ServerSettings(
-        max_sessions=args.max_sessions,
-        session_timeout_s=args.session_timeout,
-        max_body_bytes=args.max_body_bytes,
-        max_invalid_moves=args.max_invalid_moves,
-        enable_web=not args.no_web,
-    )
+    try:
+        settings = ServerSettings(
+            max_sessions=args.max_sessions,
+            session_timeout_s=args.session_timeout,
+            max_body_bytes=args.max_body_bytes,
+            max_invalid_moves=args.max_invalid_moves,
+            enable_web=not args.no_web,
+        )
+    except ValidationError as exc:
+        raise SystemExit(f"python -m env_space: invalid option: {exc}") from None
     # Gradio must not phone home from a Space or a sandbox.
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 

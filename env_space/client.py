@@ -9,7 +9,7 @@ HTTP routes instead, for callers that cannot hold a WebSocket open.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 from openenv.core.client_types import StepResult
@@ -45,10 +45,10 @@ class WordleHTTPEnv(WordleEnv):
         super().__init__(base_url=base_url, message_timeout_s=timeout_s)
         self._base_url = base_url.rstrip("/").replace("ws://", "http://").replace("wss://", "https://")
         self._timeout_s = timeout_s
-        self._http: Optional[httpx.AsyncClient] = None
-        self.session_id: Optional[str] = None
+        self._http: httpx.AsyncClient | None = None
+        self.session_id: str | None = None
 
-    async def connect(self) -> "WordleHTTPEnv":
+    async def connect(self) -> WordleHTTPEnv:
         if self._http is None:
             self._http = httpx.AsyncClient(base_url=self._base_url, timeout=self._timeout_s)
         return self
@@ -78,7 +78,9 @@ class WordleHTTPEnv(WordleEnv):
                 body["session_id"] = self.session_id
             resp = await self._http.post("/reset", json=body)
         elif kind == "step":
-            resp = await self._http.post("/step", json={"session_id": self._require_session(), "action": data})
+            resp = await self._http.post(
+                "/step", json={"session_id": self._require_session(), "action": data}
+            )
         elif kind == "state":
             resp = await self._http.get("/state", params={"session_id": self._require_session()})
         else:

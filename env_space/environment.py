@@ -12,7 +12,7 @@ into the next prompt.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import EnvironmentMetadata
@@ -92,15 +92,13 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
 
     def reset(
         self,
-        seed: Optional[int] = None,
-        episode_id: Optional[str] = None,
+        seed: int | None = None,
+        episode_id: str | None = None,
         **kwargs: Any,
     ) -> WordleObservation:
         self._check_open()
         target = target_for_seed(seed, self._words.answers)
-        self._game = WordleGame(
-            target=target, words=self._words, max_invalid_moves=self._max_invalid_moves
-        )
+        self._game = WordleGame(target=target, words=self._words, max_invalid_moves=self._max_invalid_moves)
         prompt = game_prompt()
         self._messages = [WordleMessage(sender_id=GAME_SENDER_ID, content=prompt, category="PROMPT")]
         self._state = WordleState(
@@ -114,7 +112,7 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
     def step(
         self,
         action: WordleAction,
-        timeout_s: Optional[float] = None,
+        timeout_s: float | None = None,
         **kwargs: Any,
     ) -> WordleObservation:
         self._check_open()
@@ -128,9 +126,7 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
             raise EpisodeFinishedError(str(exc)) from exc
 
         self._messages.append(
-            WordleMessage(
-                sender_id=PLAYER_ID, content=_clip(action.message), category="PLAYER_ACTION"
-            )
+            WordleMessage(sender_id=PLAYER_ID, content=_clip(action.message), category="PLAYER_ACTION")
         )
         self._messages.extend(self._game_messages(result))
         info = self._info(result)

@@ -9,7 +9,7 @@ thing stock OpenEnv HTTP lacks for a multi-turn game: a session id.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from openenv.core.env_server.types import Action, Observation, ResetRequest, State
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,7 +48,7 @@ class WordleState(State):
 
     env_id: str = ENV_ID
     num_players: int = 1
-    max_turns: Optional[int] = None
+    max_turns: int | None = None
     turn: int = 0
     last_reward: float = 0.0
     last_info: dict[str, Any] = Field(default_factory=dict)
@@ -58,7 +58,7 @@ class WordleState(State):
 class HTTPResetRequest(ResetRequest):
     """``POST /reset``: omit ``session_id`` to open a session, give it to restart one."""
 
-    session_id: Optional[str] = Field(default=None, max_length=64)
+    session_id: str | None = Field(default=None, max_length=64)
 
 
 class HTTPStepRequest(BaseModel):
@@ -68,8 +68,8 @@ class HTTPStepRequest(BaseModel):
 
     session_id: str = Field(..., min_length=1, max_length=64)
     action: dict[str, Any]
-    timeout_s: Optional[float] = Field(default=None, gt=0)
-    request_id: Optional[str] = Field(default=None, max_length=255)
+    timeout_s: float | None = Field(default=None, gt=0)
+    request_id: str | None = Field(default=None, max_length=255)
 
 
 class HTTPCloseRequest(BaseModel):
@@ -84,7 +84,7 @@ class HTTPStepResponse(BaseModel):
     """Response of ``/reset`` and ``/step``: OpenEnv's shape plus the session id."""
 
     observation: dict[str, Any]
-    reward: Optional[float] = None
+    reward: float | None = None
     done: bool = False
     session_id: str
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Query, Request, WebSocketDisconnect, status
 from fastapi.responses import RedirectResponse
@@ -61,9 +62,15 @@ class ServerSettings(BaseModel):
     """Limits of one server process; the CLI exposes each as a flag."""
 
     max_sessions: int = Field(default=256, ge=1, description="cap on live sessions, WS + HTTP")
-    session_timeout_s: float = Field(default=300.0, gt=0, description="idle seconds before a session is reaped")
-    max_body_bytes: int = Field(default=64 * 1024, ge=1024, description="largest HTTP body or WebSocket message")
-    max_invalid_moves: int = Field(default=MAX_INVALID_MOVES, ge=1, description="invalid moves that end one game")
+    session_timeout_s: float = Field(
+        default=300.0, gt=0, description="idle seconds before a session is reaped"
+    )
+    max_body_bytes: int = Field(
+        default=64 * 1024, ge=1024, description="largest HTTP body or WebSocket message"
+    )
+    max_invalid_moves: int = Field(
+        default=MAX_INVALID_MOVES, ge=1, description="invalid moves that end one game"
+    )
     enable_web: bool = Field(default=True, description="mount the Gradio page at /web")
 
 
@@ -274,7 +281,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(settings: Optional[ServerSettings] = None) -> FastAPI:
+def create_app(settings: ServerSettings | None = None) -> FastAPI:
     """Build the app: OpenEnv routes, session-aware HTTP routes, limits, and the web page."""
     settings = settings or ServerSettings()
     load_word_lists()  # fail at startup, not on the first reset, if the packages are missing
@@ -388,4 +395,3 @@ def _add_session_routes(app: FastAPI, server: WordleHTTPServer) -> None:
             observation=WordleObservation.model_json_schema(),
             state=WordleState.model_json_schema(),
         )
-

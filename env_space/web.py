@@ -9,7 +9,6 @@ demo, not a client.
 from __future__ import annotations
 
 import html
-from typing import Optional
 
 import gradio as gr
 from fastapi import FastAPI
@@ -31,7 +30,7 @@ CSS = """
 """
 
 
-def render_board(env: Optional[WordleEnvironment]) -> str:
+def render_board(env: WordleEnvironment | None) -> str:
     """HTML grid of the guesses so far; each tile carries ``data-mark`` G/Y/X/empty."""
     game = env.game if env is not None else None
     history = game.history if game is not None else []
@@ -51,7 +50,7 @@ def render_board(env: Optional[WordleEnvironment]) -> str:
     return f'<div class="wordle-board" id="wordle-board">{"".join(rows)}</div>'
 
 
-def _status(env: Optional[WordleEnvironment], obs: Optional[WordleObservation] = None) -> str:
+def _status(env: WordleEnvironment | None, obs: WordleObservation | None = None) -> str:
     if env is None or env.game is None:
         return "Press **New game** to start."
     if obs is None:
@@ -70,13 +69,13 @@ def _status(env: Optional[WordleEnvironment], obs: Optional[WordleObservation] =
     return text
 
 
-def new_game(seed: Optional[float]) -> tuple[WordleEnvironment, str, str, str]:
+def new_game(seed: float | None) -> tuple[WordleEnvironment, str, str, str]:
     env = WordleEnvironment()
     env.reset(seed=int(seed) if seed is not None else None)
     return env, render_board(env), _status(env), ""
 
 
-def play(text: str, env: Optional[WordleEnvironment]) -> tuple[Optional[WordleEnvironment], str, str, str]:
+def play(text: str, env: WordleEnvironment | None) -> tuple[WordleEnvironment | None, str, str, str]:
     if env is None or env.game is None:
         return env, render_board(env), _status(env), text
     if env.game.done:
@@ -97,7 +96,11 @@ def build_web_app() -> gr.Blocks:
         env_state = gr.State(None)
         with gr.Row():
             seed = gr.Number(
-                value=None, label="Seed (optional, same seed = same word)", precision=0, minimum=0, elem_id="seed"
+                value=None,
+                label="Seed (optional, same seed = same word)",
+                precision=0,
+                minimum=0,
+                elem_id="seed",
             )
             new_btn = gr.Button("New game", variant="secondary", elem_id="new-game")
         board = gr.HTML(render_board(None), elem_id="board")

@@ -25,7 +25,7 @@ import random
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from env_space.words import WORD_LENGTH, WordLists
 
@@ -33,7 +33,7 @@ MAX_GUESSES = 6
 MAX_INVALID_MOVES = 20
 
 
-class Mark(str, Enum):
+class Mark(StrEnum):
     """Per-letter feedback, using TextArena's letters."""
 
     GREEN = "G"
@@ -41,7 +41,7 @@ class Mark(str, Enum):
     GRAY = "X"
 
 
-class InvalidReason(str, Enum):
+class InvalidReason(StrEnum):
     """Why a move was rejected; each costs the ``invalid`` reward."""
 
     MALFORMED = "malformed"
@@ -78,7 +78,7 @@ def score_guess(guess: str, target: str) -> tuple[Mark, ...]:
         raise ValueError("guess and target must have the same length")
     marks: list[Mark | None] = [None] * len(guess)
     unmatched: Counter[str] = Counter()
-    for i, (g, t) in enumerate(zip(guess, target)):
+    for i, (g, t) in enumerate(zip(guess, target, strict=True)):
         if g == t:
             marks[i] = Mark.GREEN
         else:

@@ -7,9 +7,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -48,8 +48,18 @@ def start_server(log_dir: Path, *extra: str) -> RunningServer:
     log_path = log_dir / f"env-server-{port}.log"
     log_file = open(log_path, "wb")  # a file, not a pipe: a full pipe would block the server
     proc = subprocess.Popen(
-        [sys.executable, "-m", "env_space", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning", *extra],
+        [
+            sys.executable,
+            "-m",
+            "env_space",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *extra,
+        ],
         cwd=REPO,
         stdout=log_file,
         stderr=subprocess.STDOUT,

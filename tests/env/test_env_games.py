@@ -48,7 +48,12 @@ def test_winning_game(server, client_cls) -> None:
         assert result.done and result.reward == DEFAULT_REWARDS.win
         categories = [m.category for m in result.observation.messages]
         assert categories == [
-            "PROMPT", "PLAYER_ACTION", "GAME_MESSAGE", "PLAYER_ACTION", "GAME_MESSAGE", "GAME_ADMIN",
+            "PROMPT",
+            "PLAYER_ACTION",
+            "GAME_MESSAGE",
+            "PLAYER_ACTION",
+            "GAME_MESSAGE",
+            "GAME_ADMIN",
         ]
         assert "Congratulations" in result.observation.messages[-1].content
 
@@ -104,12 +109,16 @@ def test_same_seed_same_game_across_sessions_and_transports(server, client_cls) 
     def feedback(cls) -> list[str]:
         with cls(base_url=server.base_url).sync() as env:
             env.reset(seed=2024)
-            return [env.step(WordleAction(message=f"[{w}]")).observation.info["feedback"]
-                    for w in ("crane", "pious", "dumpy")]
+            return [
+                env.step(WordleAction(message=f"[{w}]")).observation.info["feedback"]
+                for w in ("crane", "pious", "dumpy")
+            ]
 
-    assert feedback(client_cls) == feedback(WordleEnv) == [
-        marks_to_str(score_guess(w, answer_for(2024))) for w in ("crane", "pious", "dumpy")
-    ]
+    assert (
+        feedback(client_cls)
+        == feedback(WordleEnv)
+        == [marks_to_str(score_guess(w, answer_for(2024))) for w in ("crane", "pious", "dumpy")]
+    )
 
 
 def test_stock_openenv_generic_client_plays_unchanged(server) -> None:
@@ -141,7 +150,9 @@ def test_http_session_lifecycle(server) -> None:
         assert bare.status_code == 200 and bare.json()["session_id"] != sid
 
         assert http.post("/close", json={"session_id": sid}).json() == {"session_id": sid, "closed": True}
-        assert http.post("/step", json={"session_id": sid, "action": {"message": "[crane]"}}).status_code == 404
+        assert (
+            http.post("/step", json={"session_id": sid, "action": {"message": "[crane]"}}).status_code == 404
+        )
         http.post("/close", json={"session_id": bare.json()["session_id"]}).raise_for_status()
 
 

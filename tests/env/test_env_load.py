@@ -19,7 +19,7 @@ DEADLINE_S = 90.0
 async def _play(cls, base_url: str, seed: int, latencies: list[float]) -> tuple[bool, float]:
     """One full game: ``seed % 7`` wrong guesses, then the answer if a turn is left."""
     target = answer_for(seed)
-    moves = wrong_guesses(target, seed % 7)[: 6] + [target]
+    moves = wrong_guesses(target, seed % 7)[:6] + [target]
     async with cls(base_url=base_url) as env:
         t0 = time.perf_counter()
         result = await env.reset(seed=seed)

@@ -11,8 +11,14 @@ from env_space.wordle import marks_to_str, score_guess
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 
 pytestmark = pytest.mark.skipif(
@@ -64,7 +70,9 @@ def test_play_one_game_in_the_browser(server, tmp_path: Path) -> None:
             page.locator("#submit").click()
             expect(page.locator("#status")).to_contain_text("Congratulations")
             assert _row_marks(page, 1) == "GGGGG"
-            assert page.locator('#wordle-board [data-row="1"]').inner_text().replace("\n", "").lower() == target
+            assert (
+                page.locator('#wordle-board [data-row="1"]').inner_text().replace("\n", "").lower() == target
+            )
             page.screenshot(path=str(tmp_path / "wordle-web.png"), full_page=True)
         finally:
             browser.close()

@@ -60,15 +60,13 @@ def test_feedback_invariants(target: str, guess: str) -> None:
     marks = score_guess(guess, target)
     for i, m in enumerate(marks):
         assert (m is Mark.GREEN) == (guess[i] == target[i])
-    credited = Counter(g for g, m in zip(guess, marks) if m is not Mark.GRAY)
+    credited = Counter(g for g, m in zip(guess, marks, strict=True) if m is not Mark.GRAY)
     for letter in set(guess):
         assert credited[letter] == min(guess.count(letter), target.count(letter))
     # A yellow never appears to the right of a gray copy of the same letter.
     for i, m in enumerate(marks):
         if m is Mark.YELLOW:
-            assert not any(
-                guess[j] == guess[i] and marks[j] is Mark.GRAY for j in range(i)
-            )
+            assert not any(guess[j] == guess[i] and marks[j] is Mark.GRAY for j in range(i))
 
 
 @pytest.mark.parametrize(
