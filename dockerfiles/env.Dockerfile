@@ -11,7 +11,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY shared ./shared
 COPY env_space ./env_space
 RUN pip install ".[env]"
 

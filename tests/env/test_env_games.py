@@ -166,5 +166,7 @@ def test_schema_health_metadata(server) -> None:
         )
         assert {"env_id", "turn", "raw_state"} <= set(schema["state"]["properties"])
         assert http.get("/metadata").json()["name"] == "Wordle"
+        root = http.get("/", follow_redirects=False)
+        assert root.status_code in (302, 307) and root.headers["location"] == "/web/"
         paths = set(http.get("/openapi.json").json()["paths"])
         assert {"/reset", "/step", "/state", "/health", "/schema", "/close", "/sessions"} <= paths
