@@ -1,9 +1,13 @@
 """Apply a decoded delta in place, all or nothing.
 
-Every change is first turned into plain new bits at known positions (an XOR becomes ``old ^ x``,
-gathered from the live tensor) while keeping the old bits. Writing is then an ``index_copy_``:
-cheap, idempotent (so an aliased tensor such as a tied embedding written twice is harmless, and an
-XOR can never be applied twice), and undone by one more ``index_copy_`` of the old bits.
+Two kinds of patch, both with ``apply()`` and ``revert()``:
+
+* :class:`Patch` holds plain new bits and the old bits gathered from the live tensor. Writing is
+  an ``index_copy_``: idempotent (an aliased tensor written twice is harmless) and undone by one
+  more ``index_copy_``. This is what a server wants inside a pause: all the work before it.
+* :class:`XorPatch` flips the bits in place in one pass on CPU tensors: no gather and no copy of
+  old values, since an XOR is its own inverse. It remembers whether it is applied, so it is
+  never applied twice.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from .changes import INT_VIEW
 from .codec import DeltaFile, Header, TensorChange
 from .digest import TORCH_DTYPES, tensor_digest
 from .errors import DeltaError
+from .kernels import xor_scatter
 
 
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -40,6 +45,25 @@ class Patch:
         _write(self.target, self.positions, self.old)
 
 
+class XorPatch:
+    def __init__(self, name: str, target: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor):
+        self.name, self.target, self.positions, self.bits = name, target, positions, bits
+        self.applied = False
+
+    def _flip(self) -> None:
+        xor_scatter(self.target.numpy(), self.positions.numpy(), self.bits.numpy())
+
+    def apply(self) -> None:
+        if not self.applied:
+            self._flip()
+            self.applied = True
+
+    def revert(self) -> None:
+        if self.applied:
+            self._flip()
+            self.applied = False
+
+
 def _write(target: torch.Tensor, positions: torch.Tensor | None, bits: torch.Tensor) -> None:
     if positions is None:
         target.copy_(bits.reshape(-1).view(target.dtype) if bits.dtype != target.dtype else bits.reshape(-1))
@@ -47,8 +71,11 @@ def _write(target: torch.Tensor, positions: torch.Tensor | None, bits: torch.Ten
         target.index_copy_(0, positions, bits)
 
 
-def make_patch(change: TensorChange, target: torch.Tensor) -> Patch:
-    """Gather the old bits of one change from its live flat target and compute the new ones."""
+def make_patch(change: TensorChange, target: torch.Tensor, *, in_place: bool = False) -> Patch | XorPatch:
+    """A patch for one change onto its live flat target. ``in_place`` allows an
+    :class:`XorPatch` (CPU, XOR at listed positions); otherwise old bits are gathered now."""
+    if in_place and change.mode == "xor" and change.positions is not None and target.device.type == "cpu":
+        return XorPatch(change.name, target, change.positions, change.bits)
     if change.positions is None:
         old = target.clone()
     else:
@@ -90,16 +117,24 @@ def check_base(header: Header, *, version: int | None, commitment: str | None,
                          f"target is at v{version}")
 
 
-def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor]) -> list[Patch]:
-    """Decode and gather everything needed; touches no weight, so any error leaves all as it was."""
+def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
+            in_place: bool = True) -> list[Patch | XorPatch]:
+    """Decode (and gather) everything needed; touches no weight, so any error leaves all as it was.
+
+    Tensors that share storage (tied weights listed twice) always get gathering patches, so
+    the XOR is not applied once per name.
+    """
     check_target(delta.header, target)
-    return [make_patch(c, flat_bits(target[c.name])) for c in delta.changes()]
+    storages = [target[n].untyped_storage().data_ptr() for n in delta.header.tensors]
+    shared = len(set(storages)) != len(storages)
+    return [make_patch(c, flat_bits(target[c.name]), in_place=in_place and not shared)
+            for c in delta.changes()]
 
 
-def commit(patches: list[Patch], verify: Mapping[str, str] | None = None,
+def commit(patches: list[Patch | XorPatch], verify: Mapping[str, str] | None = None,
            target: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write all patches; if a digest in ``verify`` (name -> digest) then fails, revert them all."""
-    done: list[Patch] = []
+    done: list[Patch | XorPatch] = []
     try:
         for p in patches:
             p.apply()

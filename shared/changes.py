@@ -11,9 +11,10 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
+
+from .kernels import scan_changes
 
 # Integer views for the float dtypes whose bits we diff; other dtypes are sent whole.
 INT_VIEW: dict[torch.dtype, torch.dtype] = {
@@ -24,31 +25,6 @@ INT_VIEW: dict[torch.dtype, torch.dtype] = {
 UNSIGNED_NP = {torch.int16: np.uint16, torch.int32: np.uint32}
 SIGNED_NP = {torch.int16: np.int16, torch.int32: np.int32}
 CHUNK_ELEMENTS = 1 << 22  # elements per task: big enough to amortise, small enough to balance
-
-
-@numba.njit(cache=True, nogil=True)
-def _scan(old_w, new_w, old_e, new_e, lanes, out_pos, out_xor, offset):  # pragma: no cover
-    """Compare word by word; return the number of changed elements (may exceed out capacity)."""
-    cap = out_pos.shape[0]
-    k = 0
-    for w in range(old_w.shape[0]):
-        if old_w[w] != new_w[w]:
-            base = w * lanes
-            for j in range(lanes):
-                x = old_e[base + j] ^ new_e[base + j]
-                if x != 0:
-                    if k < cap:
-                        out_pos[k] = offset + base + j
-                        out_xor[k] = x
-                    k += 1
-    for i in range(old_w.shape[0] * lanes, old_e.shape[0]):
-        x = old_e[i] ^ new_e[i]
-        if x != 0:
-            if k < cap:
-                out_pos[k] = offset + i
-                out_xor[k] = x
-            k += 1
-    return k
 
 
 @dataclass
@@ -75,7 +51,7 @@ def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: in
     words = (stop - start) // lanes
     pos = np.empty(cap, dtype=np.int64)
     xor = np.empty(cap, dtype=o.dtype)
-    k = _scan(o[: words * lanes].view(np.uint64), n[: words * lanes].view(np.uint64), o, n,
+    k = scan_changes(o[: words * lanes].view(np.uint64), n[: words * lanes].view(np.uint64), o, n,
               lanes, pos, xor, start)
     return k, pos, xor
 

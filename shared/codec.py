@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -36,6 +36,7 @@ import zstandard
 from pydantic import BaseModel, ValidationError
 
 from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, unsigned_view
+from .kernels import gaps_to_positions, join_planes, max_gap, positions_to_gaps, split_planes
 from .digest import (
     TORCH_DTYPES,
     commitment,
@@ -108,25 +109,20 @@ def chain_commitment(base_commitment: str, state_digests: list[str]) -> str:
 # --------------------------------------------------------------------------- byte planes
 
 
-def _to_planes(a: np.ndarray, nbytes: int) -> bytes:
-    """Low ``nbytes`` of each little-endian element, grouped plane by plane."""
-    b = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).view(np.uint8)
-    return b.reshape(-1, a.itemsize)[:, :nbytes].T.tobytes()
-
-
-def _from_planes(buf: bytes, count: int, itemsize: int, nbytes: int, dtype) -> np.ndarray:
-    if len(buf) != count * nbytes:
-        raise DeltaError("corrupt", f"plane data has {len(buf)} bytes, expected {count * nbytes}")
-    out = np.zeros((count, itemsize), dtype=np.uint8)
-    out[:, :nbytes] = np.frombuffer(buf, dtype=np.uint8).reshape(nbytes, count).T
-    return out.reshape(-1).view(np.dtype(dtype).newbyteorder("<")).astype(dtype, copy=False)
+def _to_planes(a: np.ndarray) -> np.ndarray:
+    """Every element's bytes grouped plane by plane (low bytes first): similar bytes sit together,
+    which is what makes small XORs and small gaps compress well."""
+    raw = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).view(np.uint8)
+    out = np.empty(raw.shape[0], dtype=np.uint8)
+    split_planes(raw, a.itemsize, out)
+    return out
 
 
 def _compress(data: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
 
 
-def _decompress(blob: bytes, size: int) -> bytes:
+def _decompress(blob, size: int) -> bytes:
     try:
         out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=size)
     except zstandard.ZstdError as e:
@@ -137,27 +133,33 @@ def _decompress(blob: bytes, size: int) -> bytes:
 
 
 def encode_positions(positions: np.ndarray) -> tuple[bytes, int]:
-    gaps = np.diff(positions, prepend=-1) - 1
-    top = int(gaps.max()) if gaps.size else 0
-    nbytes = max(1, (top.bit_length() + 7) // 8)
-    return _compress(_to_planes(gaps.astype(np.uint64), nbytes)), nbytes
+    nbytes = max(1, (int(max_gap(positions)).bit_length() + 7) // 8)
+    planes = np.empty(positions.shape[0] * nbytes, dtype=np.uint8)
+    positions_to_gaps(positions, nbytes, planes)
+    return _compress(planes), nbytes
 
 
-def decode_positions(blob: bytes, count: int, gap_bytes: int, numel: int) -> np.ndarray:
-    gaps = _from_planes(_decompress(blob, count * gap_bytes), count, 8, gap_bytes, np.uint64)
-    positions = np.cumsum(gaps.astype(np.int64) + 1) - 1
-    if count and (positions[-1] >= numel or positions[0] < 0):
-        raise DeltaError("corrupt", f"position {positions[-1]} outside a tensor of {numel} elements")
+def decode_positions(blob, count: int, gap_bytes: int, numel: int) -> np.ndarray:
+    if not 1 <= gap_bytes <= 8:
+        raise DeltaError("corrupt", f"gap width {gap_bytes} bytes")
+    planes = np.frombuffer(_decompress(blob, count * gap_bytes), dtype=np.uint8)
+    positions = np.empty(count, dtype=np.int64)
+    last = gaps_to_positions(planes, count, gap_bytes, positions)
+    if count and (last >= numel or last < positions[0] or positions[0] < 0):
+        raise DeltaError("corrupt", f"positions run outside a tensor of {numel} elements")
     return positions
 
 
 def encode_values(bits: np.ndarray) -> bytes:
-    return _compress(_to_planes(bits, bits.itemsize))
+    return _compress(_to_planes(bits))
 
 
-def decode_values(blob: bytes, count: int, dtype) -> np.ndarray:
-    itemsize = np.dtype(dtype).itemsize
-    return _from_planes(_decompress(blob, count * itemsize), count, itemsize, itemsize, dtype)
+def decode_values(blob, count: int, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    planes = np.frombuffer(_decompress(blob, count * dtype.itemsize), dtype=np.uint8)
+    out = np.empty(count * dtype.itemsize, dtype=np.uint8)
+    join_planes(planes, dtype.itemsize, out)
+    return out.view(dtype.newbyteorder("<")).astype(dtype, copy=False)
 
 
 # --------------------------------------------------------------------------- encode
@@ -173,13 +175,21 @@ def _u8(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
 
 
+SAMPLE = 16384  # values compressed to choose between XOR and overwrite
+
+
 def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None,
-                 values: Mapping[str, np.ndarray], changed: int) -> EncodedTensor:
-    """Encode the given positions (None: all elements) with the smallest of the offered value
-    kinds (``"xor"``: old ^ new bits, ``"set"``: new bits)."""
-    candidates = {k: encode_values(v) for k, v in values.items()}
-    encoding = min(candidates, key=lambda k: len(candidates[k]))
-    blobs = {VAL: candidates[encoding]}
+                 values: Mapping[str, Callable[[], np.ndarray]], changed: int) -> EncodedTensor:
+    """Encode the given positions (None: all elements) with whichever offered value kind
+    (``"xor"``: old ^ new bits, ``"set"``: new bits) compresses smaller on a sample. The
+    values are produced lazily, so the losing kind costs only its sample."""
+    if len(values) == 1:
+        encoding = next(iter(values))
+    else:
+        sample = positions[:SAMPLE] if positions is not None else slice(0, SAMPLE)
+        sizes = {k: len(encode_values(v(sample))) for k, v in values.items()}
+        encoding = min(sizes, key=sizes.get)
+    blobs = {VAL: encode_values(values[encoding](None))}
     entry = base_entry.model_copy(update={"encoding": encoding, "changed": changed})
     if positions is None:
         entry.positions = "all"
@@ -210,18 +220,21 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
         entry = entry.model_copy(update={"encoding": "full", "changed": changed})
         return EncodedTensor(entry, {name: new.clone()})
     changes = find_changes(old, new, update=update)
+    o, n = unsigned_view(old), unsigned_view(new)
     if changes is None:  # dense change: send every element
-        o, n = unsigned_view(old), unsigned_view(new)
         xor = o ^ n
-        enc = sparse_entry(entry, name, None, {"xor": xor, "set": n.copy()}, int(np.count_nonzero(xor)))
+        enc = sparse_entry(entry, name, None, {"xor": lambda s: xor if s is None else xor[s],
+                                               "set": lambda s: n if s is None else n[s]},
+                           int(np.count_nonzero(xor)))
         if update:
             old.copy_(new)
         return enc
     if changes.count == 0:
         return EncodedTensor(entry, {})
-    new_bits = unsigned_view(new)[changes.positions]
-    return sparse_entry(entry, name, changes.positions, {"xor": changes.xor, "set": new_bits},
-                        changes.count)
+    pos, xor = changes.positions, changes.xor
+    return sparse_entry(entry, name, pos, {
+        "xor": lambda s: xor if s is None else xor[: len(s)],
+        "set": lambda s: n[pos] if s is None else n[s]}, changes.count)
 
 
 def _metadata(header: Header) -> dict[str, str]:
@@ -381,8 +394,8 @@ class DeltaFile:
         except Exception as e:
             raise DeltaError("corrupt", f"object {key!r} unreadable: {e}") from None
 
-    def _blob(self, name: str, suffix: str, entry: TensorEntry) -> bytes:
-        data = self.tensor(name + suffix).numpy().tobytes()
+    def _blob(self, name: str, suffix: str, entry: TensorEntry) -> np.ndarray:
+        data = self.tensor(name + suffix).numpy()
         if blake3.blake3(data).hexdigest() != entry.blobs.get(suffix):
             raise DeltaError("corrupt", f"{name}{suffix}: blob digest mismatch")
         return data

@@ -103,4 +103,4 @@ def _encode(name: str, entry, acc) -> EncodedTensor:
     if isinstance(acc, TensorChange):
         return EncodedTensor(base.model_copy(update={"encoding": "full", "changed": entry.numel}),
                              {name: acc.bits.contiguous()})
-    return sparse_entry(base, name, acc.positions, {acc.mode: acc.bits}, int(acc.positions.size))
+    return sparse_entry(base, name, acc.positions, {acc.mode: lambda _: acc.bits}, int(acc.positions.size))

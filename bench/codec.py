@@ -1,0 +1,234 @@
+"""Codec benchmark: bytes, encode throughput and apply time of our format next to the dense
+checkpoint, the int32+bf16 format and memcpy, all measured in the same process.
+
+Cases: real-gradient trajectories (next-token loss on a locally built Qwen3) and AdamW
+trajectories with random gradients on LLM-like weights, at RL learning rates. Each case runs in
+a fresh process so its peak memory is its own. Medians over the steps after Adam's first.
+
+    python -m bench.codec [--quick] [--large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+
+import safetensors.torch
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+
+from bench.common import RESULTS, int32_bf16_bytes, median_time, memcpy_seconds, write_json
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str  # "real" | "adamw"
+    hidden: int
+    layers: int
+    intermediate: int
+    lr: float
+    steps: int = 6
+
+
+def build_model(case: Case):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=case.hidden, intermediate_size=case.intermediate,
+                      num_hidden_layers=case.layers, num_attention_heads=case.hidden // 64,
+                      num_key_value_heads=max(1, case.hidden // 128), head_dim=64,
+                      tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.05 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def trajectory(case: Case, model):
+    """Yield after each optimizer step (fp32 master weights, AdamW)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    if case.kind == "real":
+        from shared.tiny_model import CORPUS
+
+        text = torch.tensor(list(" ".join(CORPUS * 8).encode()), dtype=torch.long) % 512
+    for _ in range(case.steps):
+        if case.kind == "real":
+            starts = torch.randint(0, len(text) - 65, (4,), generator=g)
+            ids = torch.stack([text[s:s + 64] for s in starts])
+            model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield
+
+
+def run_case(case: Case) -> dict:
+    from shared.apply import commit, prepare
+    from shared.checkpoint import module_state
+    from shared.codec import DeltaFile, build_delta, encode_tensor, save_delta
+    from shared.digest import tensor_digest
+
+    torch.set_num_threads(torch.get_num_threads())
+    model = build_model(case)
+    live = module_state(model)
+    snap = {n: t.to(torch.bfloat16) for n, t in live.items()}
+    numel = sum(t.numel() for t in snap.values())
+    dense = sum(t.numel() * t.element_size() for t in snap.values())
+    dense_file = safetensors.torch.save(snap)
+    steps = []
+    for step, _ in enumerate(tqdm(trajectory(case, model), total=case.steps, desc=case.name, leave=False)):
+        new = {n: t.detach().to(torch.bfloat16) for n, t in live.items()}
+        base = {n: t.clone() for n, t in snap.items()}
+        t0 = time.perf_counter()
+        encoded = {n: encode_tensor(n, snap[n], new[n], update=True, digest="0" * 64) for n in new}
+        encode_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        digests = {n: tensor_digest(t) for n, t in new.items()}
+        digest_s = time.perf_counter() - t0
+        for n, e in encoded.items():
+            e.entry.digest = digests[n]
+        header, tensors = build_delta(encoded, version=step + 1, base_version=step, base_commitment="")
+        data = save_delta(header, tensors)
+        changed = header.changed
+        # baselines on the same change
+        positions = {n: torch.nonzero(base[n].reshape(-1).view(torch.int16)
+                                      != new[n].reshape(-1).view(torch.int16)).reshape(-1) for n in new}
+        assert sum(p.numel() for p in positions.values()) == changed
+        trl_bytes = int32_bf16_bytes(positions, new)
+        copy_s = memcpy_seconds(new)
+        # apply: decode + gather + scatter, vs loading the dense checkpoint, vs bare index_copy_
+        target = {n: t.clone() for n, t in base.items()}
+
+        def apply_ours():
+            patches = prepare(DeltaFile.from_bytes(data), target)
+            commit(patches)
+            return patches
+
+        patches = apply_ours()
+        assert all(torch.equal(target[n].view(torch.int16), new[n].view(torch.int16)) for n in new)
+        for p in patches:
+            p.revert()
+        apply_s = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ps = apply_ours()
+            apply_s.append(time.perf_counter() - t0)
+            for p in ps:
+                p.revert()
+        dense_target = {n: t.clone() for n, t in base.items()}
+
+        def dense_load():
+            loaded = safetensors.torch.load(dense_file)
+            for n, t in loaded.items():
+                dense_target[n].copy_(t)
+
+        dense_s = median_time(dense_load, 3)
+        flat = {n: target[n].view(-1).view(torch.int16) for n in new}
+        vals = {n: new[n].reshape(-1).view(torch.int16)[p] for n, p in positions.items()}
+        floor_s = median_time(lambda: [flat[n].index_copy_(0, p, vals[n]) for n, p in positions.items()], 5)
+        if step == 0:
+            continue  # Adam's first step moves every weight by exactly lr: not representative
+        steps.append({
+            "changed_fraction": changed / numel, "ours_bytes": len(data), "int32_bf16_bytes": trl_bytes,
+            "dense_bytes": dense, "ours_B_per_change": len(data) / max(changed, 1),
+            "int32_bf16_B_per_change": trl_bytes / max(changed, 1),
+            "encode_GBps": dense / encode_s / 1e9, "memcpy_GBps": dense / copy_s / 1e9,
+            "encode_vs_memcpy": copy_s / encode_s, "digest_GBps": dense / digest_s / 1e9,
+            "apply_s": statistics.median(apply_s), "dense_load_s": dense_s, "index_copy_s": floor_s,
+        })
+    med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    return {"case": case.name, "kind": case.kind, "params": numel, "lr": case.lr,
+            "steps": len(steps), "median": med, "per_step": steps,
+            "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def cases(quick: bool, large: bool) -> list[Case]:
+    small = dict(hidden=512, layers=8, intermediate=1536)  # ~26M
+    out = [Case("real-26M-lr1e-6", "real", lr=1e-6, **small),
+           Case("real-26M-lr3e-6", "real", lr=3e-6, **small)]
+    if quick:
+        return [Case("real-26M-lr1e-6", "real", lr=1e-6, steps=3, **small)]
+    out += [Case("adamw-26M-lr1e-6", "adamw", lr=1e-6, **small),
+            Case("adamw-26M-lr3e-6", "adamw", lr=3e-6, **small),
+            Case("real-79M-lr1e-6", "real", hidden=768, layers=12, intermediate=2048, lr=1e-6, steps=4),
+            Case("adamw-202M-lr1e-6", "adamw", hidden=1024, layers=16, intermediate=3072, lr=1e-6, steps=4)]
+    if large:
+        out.append(Case("adamw-805M-lr1e-6", "adamw", hidden=2048, layers=16, intermediate=6144,
+                        lr=1e-6, steps=3))
+    return out
+
+
+def report(results: list[dict]) -> None:
+    t = Table(title="codec: medians per step (after Adam's first)")
+    for col in ["case", "params", "changed", "dense MB", "int32+bf16 B/chg", "ours B/chg",
+                "vs int32+bf16", "encode GB/s", "memcpy GB/s", "enc/memcpy", "apply ms",
+                "dense load ms", "index_copy ms", "apply/floor", "peak MB"]:
+        t.add_column(col, justify="right")
+    for r in results:
+        m = r["median"]
+        t.add_row(r["case"], f"{r['params'] / 1e6:.0f}M", f"{m['changed_fraction']:.2%}",
+                  f"{m['dense_bytes'] / 1e6:.0f}", f"{m['int32_bf16_B_per_change']:.2f}",
+                  f"{m['ours_B_per_change']:.3f}",
+                  f"{m['int32_bf16_bytes'] / m['ours_bytes']:.2f}x", f"{m['encode_GBps']:.2f}",
+                  f"{m['memcpy_GBps']:.2f}", f"{m['encode_vs_memcpy']:.2f}x",
+                  f"{m['apply_s'] * 1e3:.1f}", f"{m['dense_load_s'] * 1e3:.1f}",
+                  f"{m['index_copy_s'] * 1e3:.1f}", f"{m['apply_s'] / m['index_copy_s']:.2f}x",
+                  f"{r['peak_rss_MB']:.0f}")
+    Console().print(t)
+
+
+def plot(results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["case"] for r in results]
+    ours = [r["median"]["ours_B_per_change"] for r in results]
+    trl = [r["median"]["int32_bf16_B_per_change"] for r in results]
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar([i - 0.2 for i in x], trl, 0.4, label="int32 + bf16")
+    ax.bar([i + 0.2 for i in x], ours, 0.4, label="deltasync")
+    ax.axhline(1.35, color="k", ls="--", lw=1, label="target 1.35 B")
+    ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("bytes per changed element")
+    ax.set_title("Delta payload per changed bf16 element (median over steps)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "codec.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="one small case (a smoke test)")
+    ap.add_argument("--large", action="store_true", help="also an ~800M-parameter case")
+    a = ap.parse_args()
+    results = []
+    ctx = mp.get_context("spawn")
+    for case in cases(a.quick, a.large):
+        with ctx.Pool(1) as pool:
+            results.append(pool.apply(run_case, (case,)))
+        report(results[-1:])
+    report(results)
+    path = write_json("codec", {"results": results})
+    plot(results)
+    print(f"wrote {path} and {RESULTS / 'codec.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""HTTP bodies of the rollout server's control endpoints, shared by the server and its callers.
+
+Pydantic models only (no web framework): the trainer's publisher, the CLI, tests and notebooks
+build and parse these without importing FastAPI.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+PauseMode = Literal["wait", "keep", "abort"]
+
+
+class UpdateRequest(BaseModel):
+    """``POST /update``. ``version`` None: the store's latest."""
+
+    version: int | None = None
+    # How requests in flight at the moment of the write are handled: "wait" lets them finish
+    # on the old weights (every response then comes from one version), "keep" freezes them and
+    # continues them on the new weights (their responses list both versions), "abort" ends them.
+    mode: PauseMode = "wait"
+
+
+class StepReport(BaseModel):
+    """One object applied (or refused) on the way to the target version."""
+
+    version: int
+    kind: Literal["anchor", "delta", "external"]
+    base_version: int | None = None
+    bytes: int = 0
+    changed: int = 0
+    download_s: float = 0.0
+    stage_s: float = 0.0  # decode, gather, predict: while serving
+    drain_s: float = 0.0  # waiting for in-flight requests (mode "wait")
+    pause_s: float = 0.0  # generation stopped: write + cache reset + resume
+    commit_s: float = 0.0  # the write itself, inside the engine
+    audit_s: float = 0.0  # read-back check, while serving again
+
+
+class Refusal(BaseModel):
+    reason: str  # shared.errors.Reason, or "busy" / "internal"
+    message: str
+    version: int | None = None  # the version that was refused
+
+
+class UpdateResponse(BaseModel):
+    version: int | None  # the version served now
+    commitment: str
+    state_digest: str
+    target: int | None = None
+    steps: list[StepReport] = []
+    refused: Refusal | None = None
+    total_s: float = 0.0
+    accepted: bool = True  # False when the update was refused
+
+
+class VersionResponse(BaseModel):
+    version: int | None
+    commitment: str
+    state_digest: str
+    status: Literal["starting", "ready", "updating", "damaged"]
+    model: str
+    store: str
+    latest_seen: int | None = None
+
+
+class DigestResponse(BaseModel):
+    """State digest computed from the live engine weights, in checkpoint coordinates."""
+
+    version: int | None
+    commitment: str
+    state_digest: str
+    matches_held: bool
+    seconds: float
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "starting", "damaged", "dead"]
+    version: int | None = None
