@@ -146,10 +146,12 @@ class DeltaWorkerExtension:
 
     # ------------------------------------------------------------------ background jobs
     def deltasync_submit(self, kind: str, arg: str = "") -> str:
-        """Start ``stage`` ({path, predict}), ``audit`` (stage id) or ``digest`` in the background."""
+        """Start ``stage`` ({path, predict}), ``audit`` (stage id), ``validate`` (anchor path) or
+        ``digest`` in the background; returns the job id to poll."""
         st = self._ds()
         job = f"{kind}-{next(st.ids)}"
-        fn = {"stage": self._job_stage, "audit": self._job_audit, "digest": self._job_digest}[kind]
+        fn = {"stage": self._job_stage, "audit": self._job_audit, "digest": self._job_digest,
+              "validate": self._job_validate}[kind]
         st.jobs[job] = st.pool.submit(fn, job, arg)
         return job
 
@@ -177,6 +179,16 @@ class DeltaWorkerExtension:
             return _ok(stage=job, version=h.version, base_version=h.base_version,
                        changed=staged.changed, patches=len(staged.patches),
                        tensors=len(staged.touched), **staged.timings)
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def _job_validate(self, job: str, path: str) -> str:
+        """Decode every tensor of an anchor (each checked against its digest), writing nothing."""
+        try:
+            t0 = time.perf_counter()
+            delta = DeltaFile.open(path)
+            n = sum(1 for _ in delta.changes())
+            return _ok(tensors=n, validate_s=time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001
             return _err(e)
 

@@ -1,0 +1,407 @@
+"""The vLLM engine of one replica and the version it serves: start-up, catch-up and updates.
+
+One ``AsyncLLM`` (its engine core and worker run in a child process) with the
+:class:`~rollout_space.worker.DeltaWorkerExtension`. Every update follows the same steps:
+
+1. plan the objects from the held version to the target (``shared.chain.Chain.plan``),
+2. download and check each against its manifest (a thread; generation goes on),
+3. stage it in the worker (background thread there; generation goes on),
+4. pause the scheduler (``mode="wait"``: running requests finish on the old weights, new ones
+   queue), write, label the engine's weight version, reset the prefix cache, resume,
+5. audit the written tensors by reading them back (generation goes on); revert on mismatch.
+
+Each engine output carries the weight version label of the step that produced it, so every
+response can say which policy version generated it, token span by token span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from argparse import Namespace
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.errors import DeltaError
+from shared.schemas import PauseMode, Refusal, StepReport, UpdateResponse
+
+from . import metrics
+
+log = logging.getLogger("rollout_space.engine")
+EXTENSION = "rollout_space.worker.DeltaWorkerExtension"
+BASE_LABEL = "base"  # weight version label before the chain names a version
+
+# Per request: the weight-version spans of each finished choice, filled by the wrapped generate.
+SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("deltasync_spans", default=None)
+
+
+class UpdateRefused(Exception):
+    """An update that was refused; ``response`` says what is served now and why."""
+
+    def __init__(self, response: UpdateResponse):
+        assert response.refused is not None
+        super().__init__(f"{response.refused.reason}: {response.refused.message}")
+        self.response = response
+
+
+def label_of(version: int | None) -> str:
+    return BASE_LABEL if version is None else str(version)
+
+
+def version_of(label: str) -> int | None:
+    return None if label in (BASE_LABEL, "default") else int(label)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local folder as is; a Hub id through the local Hugging Face cache (vLLM fetched it)."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=["*.safetensors", "*.json"]))
+
+
+@dataclass
+class ReplicaState:
+    version: int | None = None
+    commitment: str = ""
+    state_digest: str = ""
+    status: str = "starting"
+    latest_seen: int | None = None
+    history: list[dict] = field(default_factory=list)
+
+
+class RolloutEngine:
+    def __init__(self, args: Namespace):
+        self.args = args
+        self.state = ReplicaState()
+        self.engine: Any = None
+        self.chain: Any = None
+        self.model_dir: Path | None = None
+        self.base_state_digest = ""
+        self.user_paused = False
+        self._lock = asyncio.Lock()  # one update (or digest) at a time
+        self.write_lock = asyncio.Lock()  # paused sections vs user /pause and /resume
+        self._work = Path(args.work_dir or tempfile.mkdtemp(prefix="rollout-space-"))
+        self._work.mkdir(parents=True, exist_ok=True)
+        self.timings: dict[str, float] = {}
+        self.last_refused: int | None = None  # the poller does not retry a refused target
+
+    # ------------------------------------------------------------------ start-up
+    async def start(self) -> None:
+        t0 = time.perf_counter()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if "llvmlite.binding" in sys.modules:
+            # vLLM's kernel-override scan trips over llvmlite's lazy C symbol table in a forked
+            # engine process; a spawned one starts clean.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        self.args.worker_extension_cls = EXTENSION
+        engine_args = AsyncEngineArgs.from_cli_args(self.args)
+        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        self.engine = AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=engine_args.enable_log_requests,
+            disable_log_stats=engine_args.disable_log_stats)
+        self._track_versions()
+        self.timings["engine_s"] = time.perf_counter() - t0
+
+        from shared.chain import Chain  # after the engine process exists (see above)
+        from shared.stores import open_store
+
+        self.chain = Chain(open_store(self.args.store))
+        self.model_dir = resolve_model_dir(self.args.model)
+        map_cache = self.args.map_cache or str(Path.home() / ".cache" / "deltasync" / "maps")
+        r = await self.rpc("deltasync_init", json.dumps({"model_dir": str(self.model_dir),
+                                                         "map_cache": map_cache}))
+        self.timings.update(map_s=r["map_s"], map_built=float(r["map_built"]), init_digest_s=r["digest_s"])
+        log.info("checkpoint map: %d tensors, %d runs, %s in %.2fs; ignored %s", r["tensors"], r["runs"],
+                 "probed" if r["map_built"] else "from cache", r["map_s"], r["ignored"])
+        self.base_state_digest = r["state_digest"]
+        self.state.state_digest = r["state_digest"]
+        await self.engine.update_weight_version(BASE_LABEL)
+        t1 = time.perf_counter()
+        try:
+            await self.catch_up()
+        except UpdateRefused as e:
+            log.error("catch-up at start failed: %s", e)
+            if self.state.version is None and self.state.status != "damaged":
+                self.state.status = "ready"
+        self.timings["catchup_s"] = time.perf_counter() - t1
+        self.timings["startup_s"] = time.perf_counter() - t0
+        if self.state.status == "starting":
+            self.state.status = "ready"
+        log.info("ready at v%s (%s) after %.1fs", self.state.version, self.state.state_digest[:12],
+                 self.timings["startup_s"])
+
+    async def catch_up(self) -> UpdateResponse | None:
+        """Move to the store's latest version (nothing to do when the store is empty)."""
+        latest = await asyncio.to_thread(self.chain.latest)
+        if latest is None:
+            log.info("%s holds no version yet; serving the base model", self.args.store)
+            return None
+        return await self.update(latest.version)
+
+    def _track_versions(self) -> None:
+        """Record, per request, the weight-version spans the engine reports for each choice."""
+        engine = self.engine
+        generate = engine.generate
+
+        async def iterate(outputs, spans: list):
+            async for out in outputs:
+                for c in out.outputs:
+                    if c.finish_reason is not None and c.weight_versions is not None:
+                        spans.append([(s.version, s.start, s.end) for s in c.weight_versions])
+                yield out
+
+        def tracked(*args, **kwargs):
+            # Read the collector when the call is made (in the request handler's context); a
+            # streaming response iterates the generator later, from another task.
+            spans = SPANS.get()
+            outputs = generate(*args, **kwargs)
+            return outputs if spans is None else iterate(outputs, spans)
+
+        engine.generate = tracked
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    # ------------------------------------------------------------------ worker calls
+    async def rpc(self, method: str, *args: str) -> dict:
+        results = await self.engine.collective_rpc(method, args=args)
+        parsed = [json.loads(r) for r in results]
+        for p in parsed:
+            if not p.get("ok", False):
+                raise DeltaError(p.get("reason", "internal"), p.get("message", "")) \
+                    if p.get("reason") != "internal" else RuntimeError(p.get("message"))
+        return parsed[0]
+
+    async def job(self, kind: str, arg: str = "") -> dict:
+        """Run a background job in every worker and wait for all of them (polling)."""
+        ids = await self.engine.collective_rpc("deltasync_submit", args=(kind, arg))
+        results: list[dict | None] = [None] * len(ids)
+        delay = 0.002
+        while any(r is None for r in results):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            polled = await self.engine.collective_rpc("deltasync_poll", args=(ids[0],)) \
+                if len(ids) == 1 else None
+            if polled is None:  # several ranks: each polls its own job id
+                polled = []
+                for rank_id in ids:
+                    polled.append((await self.engine.collective_rpc("deltasync_poll", args=(rank_id,)))[0])
+            for i, p in enumerate(polled):
+                d = json.loads(p)
+                if d.get("done") and results[i] is None:
+                    results[i] = d
+        for d in results:
+            assert d is not None
+            if not d.get("ok"):
+                if d.get("reason") == "internal":
+                    raise RuntimeError(d.get("message"))
+                raise DeltaError(d["reason"], d["message"])
+        return results[0]  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ updates
+    async def update(self, target: int | None = None, mode: PauseMode = "wait") -> UpdateResponse:
+        async with self._lock:
+            return await self._update(target, mode)
+
+    async def _update(self, target: int | None, mode: PauseMode) -> UpdateResponse:
+        t0 = time.perf_counter()
+        steps: list[StepReport] = []
+        try:
+            latest = await asyncio.to_thread(self.chain.latest)
+            if latest is not None:
+                self.state.latest_seen = latest.version
+            if target is None:
+                if latest is None:
+                    raise DeltaError("missing", f"{self.args.store} holds no version")
+                target = latest.version
+            held = self.state.version
+            if held is not None and target == held:
+                return self._response(target, steps, t0)
+            if held is not None and target < held:
+                raise DeltaError("out_of_order", f"replica serves v{held}; v{target} is older")
+            self.state.status = "updating"
+            for ref in await self._plan(target):
+                steps.append(await self._apply(ref, mode))
+            self.state.status = "ready"
+            return self._response(target, steps, t0)
+        except DeltaError as e:
+            refusal = Refusal(reason=e.reason, message=e.message, version=target)
+        except Exception as e:  # noqa: BLE001 - reported, and the replica keeps serving
+            log.exception("update to v%s failed", target)
+            refusal = Refusal(reason="internal", message=f"{type(e).__name__}: {e}", version=target)
+        if self.state.status == "updating":
+            self.state.status = "ready"
+        self.last_refused = target
+        metrics.REFUSED.labels(reason=refusal.reason).inc()
+        log.warning("refused update to v%s: %s: %s (serving v%s)", refusal.version, refusal.reason,
+                    refusal.message, self.state.version)
+        resp = self._response(target, steps, t0)
+        resp.refused, resp.accepted = refusal, False
+        raise UpdateRefused(resp)
+
+    def _response(self, target: int | None, steps: list[StepReport], t0: float) -> UpdateResponse:
+        return UpdateResponse(version=self.state.version, commitment=self.state.commitment,
+                              state_digest=self.state.state_digest, target=target, steps=steps,
+                              total_s=time.perf_counter() - t0)
+
+    async def _plan(self, target: int) -> list:
+        """Objects to apply. The base model this engine started from is free: when it is the
+        chain's external genesis anchor, start there instead of downloading an anchor."""
+        chain, held = self.chain, self.state.version
+        if held is None:
+            try:
+                genesis = await asyncio.to_thread(chain.manifest, 0)
+            except DeltaError:
+                genesis = None
+            ext = genesis.object("anchor") if genesis else None
+            if genesis and ext is not None and ext.key is None and \
+                    genesis.state_digest == self.base_state_digest and self.state.state_digest == \
+                    self.base_state_digest:
+                return [ext] + await asyncio.to_thread(chain.plan, 0, target, genesis.commitment)
+        return await asyncio.to_thread(chain.plan, held, target, self.state.commitment or None)
+
+    async def _apply(self, ref, mode: PauseMode) -> StepReport:
+        if ref.kind == "anchor":
+            return await self._apply_anchor(ref, mode)
+        step = StepReport(version=ref.version, kind="delta", base_version=ref.base_version, bytes=ref.size)
+        path, step.download_s = await self._download(ref)
+        try:
+            staged = await self.job("stage", json.dumps({"path": str(path), "predict": self.args.predict}))
+            step.stage_s, step.changed = staged["stage_s"], staged["changed"]
+            stage_id = staged["stage"]
+            m = await asyncio.to_thread(self.chain.manifest, ref.version)
+            commit = await self._paused_write(ref.version, m.commitment, m.state_digest, mode,
+                                              "deltasync_commit", stage_id, step)
+            step.commit_s = commit["commit_s"]
+            a = time.perf_counter()
+            audit = await self.job("audit", stage_id)
+            step.audit_s = time.perf_counter() - a
+            if audit["bad"]:
+                await self._paused_revert(stage_id, mode)
+                raise DeltaError("digest_mismatch", f"v{ref.version}: {len(audit['bad'])} tensors read "
+                                 f"back wrong after the write (e.g. {audit['bad'][0]}); reverted")
+            await self.rpc("deltasync_release", stage_id)
+        finally:
+            path.unlink(missing_ok=True)
+        metrics.observe_step(step)
+        return step
+
+    async def _paused_write(self, version: int, commitment: str, state_digest: str, mode: PauseMode,
+                            method: str, arg: str, step: StepReport) -> dict:
+        """Pause, write, label, reset the prefix cache, resume. Returns the worker's answer."""
+        engine = self.engine
+        async with self.write_lock:
+            a = time.perf_counter()
+            if not self.user_paused:
+                await engine.pause_generation(mode=mode, clear_cache=False)
+            b = time.perf_counter()
+            try:
+                result = await self.rpc(method, arg)
+                await engine.update_weight_version(label_of(version))
+                await engine.reset_prefix_cache()
+                self.state.version, self.state.commitment = version, commitment
+                self.state.state_digest = state_digest
+            finally:
+                if not self.user_paused:
+                    await engine.resume_generation()
+            c = time.perf_counter()
+        step.drain_s, step.pause_s = b - a, c - b
+        metrics.VERSION.set(version)
+        return result
+
+    async def _paused_revert(self, stage_id: str, mode: PauseMode) -> None:
+        engine = self.engine
+        async with self.write_lock:
+            if not self.user_paused:
+                await engine.pause_generation(mode=mode, clear_cache=False)
+            try:
+                await self.rpc("deltasync_revert", stage_id)
+                held = await self.rpc("deltasync_held")
+                self.state.version, self.state.commitment = held["version"], held["commitment"]
+                self.state.state_digest = held["state_digest"]
+                await engine.update_weight_version(label_of(self.state.version))
+                await engine.reset_prefix_cache()
+            finally:
+                if not self.user_paused:
+                    await engine.resume_generation()
+        if self.state.version is not None:
+            metrics.VERSION.set(self.state.version)
+
+    async def _apply_anchor(self, ref, mode: PauseMode) -> StepReport:
+        m = await asyncio.to_thread(self.chain.manifest, ref.version)
+        if ref.key is None:
+            step = StepReport(version=ref.version, kind="external")
+            if self.state.state_digest == m.state_digest and self.state.version is None:
+                await self.rpc("deltasync_adopt", json.dumps({"version": ref.version, "commitment": m.commitment,
+                                                              "state_digest": m.state_digest}))
+                self.state.version, self.state.commitment = ref.version, m.commitment
+                await self.engine.update_weight_version(label_of(ref.version))
+                metrics.VERSION.set(ref.version)
+                return step
+            path = await asyncio.to_thread(resolve_model_dir, ref.external)
+            arg = {"path": str(path), "anchor": False}
+        else:
+            step = StepReport(version=ref.version, kind="anchor", bytes=ref.size)
+            path, step.download_s = await self._download(ref)
+            arg = {"path": str(path), "anchor": True}
+        arg |= {"version": ref.version, "commitment": m.commitment, "state_digest": m.state_digest}
+        try:
+            if arg["anchor"]:  # every tensor's digest is checked before the pause
+                a = time.perf_counter()
+                await self.job("validate", str(path))
+                step.stage_s = time.perf_counter() - a
+            try:
+                r = await self._paused_write(ref.version, m.commitment, m.state_digest, mode,
+                                             "deltasync_load", json.dumps(arg), step)
+                step.commit_s = r["load_s"] + r["verify_s"]
+            except DeltaError:
+                # the engine now holds weights of no version: stop serving until a re-sync
+                self.state.status = "damaged"
+                self.state.version, self.state.commitment = None, ""
+                await self.engine.update_weight_version("damaged")
+                raise
+        finally:
+            if ref.key is not None:
+                Path(path).unlink(missing_ok=True)
+        metrics.observe_step(step)
+        return step
+
+    async def _download(self, ref) -> tuple[Path, float]:
+        t0 = time.perf_counter()
+        data = await asyncio.to_thread(self.chain.fetch_bytes, ref)
+        path = self._work / f"{Path(ref.key).stem}-{os.getpid()}.safetensors"
+        await asyncio.to_thread(path.write_bytes, data)
+        dt = time.perf_counter() - t0
+        metrics.DOWNLOAD_BYTES.inc(len(data))
+        metrics.DOWNLOAD_SECONDS.observe(dt)
+        return path, dt
+
+    # ------------------------------------------------------------------ vLLM-style pause
+    async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        async with self.write_lock:
+            self.user_paused = True
+            await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        async with self.write_lock:
+            self.user_paused = False
+            await self.engine.resume_generation()
+
+    # ------------------------------------------------------------------ reading
+    async def live_digest(self) -> dict:
+        async with self._lock:
+            return await self.job("digest")

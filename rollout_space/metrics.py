@@ -1,0 +1,37 @@
+"""Prometheus metrics of the replica (served at ``GET /metrics`` beside vLLM's own)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from shared.schemas import StepReport
+
+_TIMES = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+
+VERSION = Gauge("deltasync_policy_version", "Policy version the replica serves (-1: base model)")
+APPLIED = Counter("deltasync_updates_applied_total", "Objects applied", ["kind"])
+REFUSED = Counter("deltasync_updates_refused_total", "Updates refused, by reason", ["reason"])
+DOWNLOAD_BYTES = Counter("deltasync_download_bytes_total", "Bytes downloaded from the store")
+DOWNLOAD_SECONDS = Histogram("deltasync_download_seconds", "Download and manifest check", buckets=_TIMES)
+STAGE_SECONDS = Histogram("deltasync_stage_seconds", "Decode, gather, predict (while serving)",
+                          buckets=_TIMES)
+DRAIN_SECONDS = Histogram("deltasync_drain_seconds", "Waiting for in-flight requests before a write",
+                          buckets=_TIMES)
+PAUSE_SECONDS = Histogram("deltasync_apply_pause_seconds", "Generation stopped for the write",
+                          buckets=_TIMES)
+APPLY_SECONDS = Histogram("deltasync_apply_seconds", "The write inside the engine", buckets=_TIMES)
+AUDIT_SECONDS = Histogram("deltasync_audit_seconds", "Read-back check after the write", buckets=_TIMES)
+CHANGED = Counter("deltasync_changed_elements_total", "Elements written by deltas")
+
+VERSION.set(-1)
+
+
+def observe_step(step: StepReport) -> None:
+    APPLIED.labels(kind=step.kind).inc()
+    STAGE_SECONDS.observe(step.stage_s)
+    DRAIN_SECONDS.observe(step.drain_s)
+    PAUSE_SECONDS.observe(step.pause_s)
+    APPLY_SECONDS.observe(step.commit_s)
+    if step.kind == "delta":
+        AUDIT_SECONDS.observe(step.audit_s)
+        CHANGED.inc(step.changed)

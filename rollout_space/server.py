@@ -1,0 +1,250 @@
+"""The rollout Space's HTTP app: OpenAI-compatible generation plus weight-sync control.
+
+Generation goes through vLLM's own OpenAI serving classes (so token ids, logprobs, ``n``,
+streaming and the real ``openai`` client behave as with ``vllm serve``); each response gains
+``policy_version`` (and an ``X-Policy-Version`` header), taken from the weight-version spans the
+engine reports for the tokens it generated. Control endpoints: ``POST /update`` (bearer token),
+``GET /version``, ``GET /weights/digest``, ``GET /health``, ``GET /metrics`` and vLLM-style
+``/pause`` ``/resume`` ``/is_paused``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from argparse import Namespace
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from shared.schemas import (
+    DigestResponse,
+    HealthResponse,
+    PauseMode,
+    UpdateRequest,
+    UpdateResponse,
+    VersionResponse,
+)
+
+from .engine import SPANS, RolloutEngine, UpdateRefused, label_of, version_of
+
+log = logging.getLogger("rollout_space.server")
+
+REFUSAL_STATUS = {"wrong_base": 409, "out_of_order": 409, "missing": 404, "busy": 409, "internal": 500}
+
+
+def policy_fields(spans: list[list[tuple[str, int, int]]], fallback: str) -> dict:
+    """``policy_version`` for a response whose choices produced these spans."""
+    labels: list[str] = []
+    for choice in spans:
+        for label, _, _ in choice:
+            if label not in labels:
+                labels.append(label)
+    if not labels:
+        labels = [fallback]
+    versions = [version_of(lb) for lb in labels]
+    if len(versions) == 1:
+        return {"policy_version": versions[0]}
+    return {"policy_version": None, "policy_versions": versions,
+            "policy_version_spans": [[{"version": version_of(lb), "start": s, "end": e}
+                                      for lb, s, e in choice] for choice in spans]}
+
+
+def create_app(args: Namespace) -> FastAPI:
+    replica = RolloutEngine(args)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+
+        await replica.start()
+        tasks = await replica.engine.get_supported_tasks()
+        await init_app_state(replica.engine, app.state, args, tasks)
+        poller = asyncio.create_task(_poll(replica, args.poll_s)) if args.poll_s > 0 else None
+        try:
+            yield
+        finally:
+            if poller:
+                poller.cancel()
+            await replica.stop()
+
+    app = FastAPI(title="DeltaSync rollout", lifespan=lifespan)
+    app.state.replica = replica
+    token = args.token
+
+    def authorized(request: Request) -> None:
+        if not token:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    Auth = Depends(authorized)
+
+    # ------------------------------------------------------------------ generation
+    async def generate(raw_request: Request, kind: str):
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if replica.state.status == "damaged":
+            return JSONResponse({"error": {"message": "replica holds weights of no version; "
+                                           "re-syncing", "code": 503}}, status_code=503)
+        try:
+            body = await raw_request.json()
+            request = (CompletionRequest if kind == "completion" else ChatCompletionRequest) \
+                .model_validate(body)
+        except (ValueError, ValidationError) as e:
+            return JSONResponse({"error": {"message": str(e), "type": "BadRequestError", "code": 400}},
+                                status_code=400)
+        spans: list = []
+        SPANS.set(spans)
+        fallback = label_of(replica.state.version)
+        state = raw_request.app.state
+        if kind == "completion":
+            result = await state.openai_serving_completion.create_completion(request, raw_request)
+        else:
+            result = await state.openai_serving_chat.create_chat_completion(request, raw_request)
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        if not hasattr(result, "__aiter__"):
+            fields = policy_fields(spans, fallback)
+            return JSONResponse(result.model_dump() | fields,
+                                headers={"X-Policy-Version": str(fields["policy_version"])})
+        return StreamingResponse(_annotate_stream(result, spans, fallback), media_type="text/event-stream",
+                                 headers={"X-Policy-Version": str(version_of(fallback))})
+
+    @app.post("/v1/completions")
+    async def completions(raw_request: Request):
+        return await generate(raw_request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw_request: Request):
+        return await generate(raw_request, "chat")
+
+    @app.get("/v1/models")
+    async def models(raw_request: Request):
+        listing = await raw_request.app.state.openai_serving_models.show_available_models()
+        return JSONResponse(listing.model_dump())
+
+    # ------------------------------------------------------------------ weight sync
+    @app.post("/update", dependencies=[Auth], response_model=UpdateResponse)
+    async def update(raw_request: Request, wait: Annotated[bool, Query()] = True,
+                     mode: Annotated[PauseMode | None, Query()] = None):
+        raw = await raw_request.body()
+        try:
+            req = UpdateRequest.model_validate_json(raw) if raw.strip() else UpdateRequest()
+        except ValidationError as e:
+            return JSONResponse({"detail": str(e)}, status_code=422)
+        mode = mode or req.mode
+        if not wait:
+            task = asyncio.create_task(_quiet(replica.update(req.version, mode)))
+            raw_request.app.state.update_task = task
+            s = replica.state
+            return JSONResponse(UpdateResponse(version=s.version, commitment=s.commitment,
+                                               state_digest=s.state_digest, target=req.version
+                                               ).model_dump(), status_code=202)
+        try:
+            resp = await replica.update(req.version, mode)
+        except UpdateRefused as e:
+            reason = e.response.refused.reason  # type: ignore[union-attr]
+            return JSONResponse(e.response.model_dump(), status_code=REFUSAL_STATUS.get(reason, 422))
+        return JSONResponse(resp.model_dump())
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version():
+        s = replica.state
+        return VersionResponse(version=s.version, commitment=s.commitment, state_digest=s.state_digest,
+                               status=s.status, model=args.model, store=args.store,  # type: ignore[arg-type]
+                               latest_seen=s.latest_seen)
+
+    @app.get("/weights/digest", response_model=DigestResponse)
+    async def weights_digest():
+        d = await replica.live_digest()
+        return DigestResponse(version=d["version"], commitment=d["commitment"],
+                              state_digest=d["state_digest"],
+                              matches_held=d["state_digest"] == d["held_state_digest"],
+                              seconds=d["digest_s"])
+
+    @app.get("/health")
+    async def health():
+        s = replica.state
+        status = "ok" if s.status in ("ready", "updating") else s.status
+        try:
+            await replica.engine.check_health()
+        except Exception:  # noqa: BLE001
+            status = "dead"
+        code = 200 if status == "ok" else 503
+        return JSONResponse(HealthResponse(status=status, version=s.version).model_dump(),  # type: ignore[arg-type]
+                            status_code=code)
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------------ vLLM-style pause
+    @app.post("/pause", dependencies=[Auth])
+    async def pause(mode: Annotated[PauseMode, Query()] = "abort",
+                    clear_cache: Annotated[bool, Query()] = True):
+        await replica.pause(mode, clear_cache)
+        return JSONResponse({"status": "paused"})
+
+    @app.post("/resume", dependencies=[Auth])
+    async def resume():
+        await replica.resume()
+        return JSONResponse({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return JSONResponse({"is_paused": await replica.engine.is_paused()})
+
+    return app
+
+
+async def _annotate_stream(chunks, spans: list, fallback: str):
+    """Pass SSE chunks through; the ones that finish a choice gain ``policy_version``."""
+    async for chunk in chunks:
+        if chunk.startswith("data: {") and '"finish_reason":null' not in chunk.replace(" ", ""):
+            try:
+                payload = json.loads(chunk[len("data: "):])
+                if any(c.get("finish_reason") is not None for c in payload.get("choices", [])):
+                    payload |= policy_fields(spans, fallback)
+                    chunk = f"data: {json.dumps(payload)}\n\n"
+            except ValueError:
+                pass
+        yield chunk
+
+
+async def _quiet(coro) -> None:
+    try:
+        await coro
+    except UpdateRefused:
+        pass  # already counted and logged
+
+
+async def _poll(replica: RolloutEngine, every_s: float) -> None:
+    """Catch up on versions whose notification never arrived (a replica that was down, a lost
+    POST): reading ``latest.json`` is cheap."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            latest = await asyncio.to_thread(replica.chain.latest)
+            if latest is None:
+                continue
+            replica.state.latest_seen = latest.version
+            held = replica.state.version
+            if (held is None or latest.version > held) and latest.version != replica.last_refused \
+                    and not replica._lock.locked():
+                log.info("store has v%d, replica v%s: catching up", latest.version, held)
+                await _quiet(replica.update(latest.version))
+        except Exception:  # noqa: BLE001
+            log.exception("polling the store failed")
