@@ -43,7 +43,8 @@ class PublishReport:
     notify_s: float = 0.0
     commitment: str = ""
     state_digest: str = ""
-    replicas: dict[str, str] = field(default_factory=dict)  # url -> "ok v3" or an error
+    # url -> the replica's /update answer (JSON), or {"error": ...} when refused or unreachable
+    replicas: dict[str, dict] = field(default_factory=dict)
 
     @property
     def changed_fraction(self) -> float:
@@ -265,16 +266,20 @@ class DeltaPublisher:
                 report.replicas[url] = self._notify_one(client, url, report.version, headers)
         report.notify_s = time.perf_counter() - t0
 
-    def _notify_one(self, client: httpx.Client, url: str, version: int, headers: dict) -> str:
+    def _notify_one(self, client: httpx.Client, url: str, version: int, headers: dict) -> dict:
         for attempt in range(self.retries + 1):
             try:
                 r = client.post(f"{url.rstrip('/')}/update", json={"version": version}, headers=headers)
                 if r.status_code < 500:
-                    return f"ok v{version}" if r.is_success else f"refused {r.status_code}: {r.text[:200]}"
+                    try:
+                        body = r.json()
+                    except ValueError:
+                        body = {"text": r.text[:500]}
+                    return body if r.is_success else {"error": f"HTTP {r.status_code}", "body": body}
                 err = f"HTTP {r.status_code}"
             except httpx.HTTPError as e:
                 err = f"{type(e).__name__}: {e}"
             log.warning("notify %s of v%d failed (%s)", url, version, err)
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2**attempt)
-        return f"unreachable: {err}"
+        return {"error": f"unreachable: {err}"}
