@@ -1,0 +1,253 @@
+"""The rollout server with a real vLLM engine on CPU, driven over HTTP like the trainer drives it.
+
+One replica follows a trainer for the whole module (tests run in order and share it): digests at
+every step, generation during updates, refusals, then a fresh server on the target checkpoint and
+a late replica for comparison.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from chain_helpers import FakeTrainer, checkpoint_dir
+from conftest import TOKEN, Server, launch, wait_ready
+
+from shared.chain import LATEST, Chain, Latest, delta_key, manifest_key, reconstruct, ref_for
+from shared.codec import DeltaFile, encode_delta
+from shared.digest import state_digest
+from shared.stores import open_store
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The quick brown", "Guess the five letter word:", "0 1 2 3"]
+seen: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def store(rollout_dir: Path) -> Path:
+    return rollout_dir / "bucket"
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir: Path, store: Path):
+    t = FakeTrainer(tiny_model_dir, str(store), lr=2e-5, token=TOKEN)
+    t.publisher.flush()  # v0: the base model itself (external anchor, nothing uploaded)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, store: Path, trainer, rollout_dir: Path):
+    s = wait_ready(launch(tiny_model_dir, store, rollout_dir))
+    trainer.publisher.replicas.append(s.url)
+    yield s
+    s.stop()
+
+
+def live_digest(s: Server) -> dict:
+    r = s.get("/weights/digest")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_starts_on_the_base_model_as_version_0(server: Server, trainer: FakeTrainer):
+    v = server.get("/version").json()
+    assert v["version"] == 0 and v["status"] == "ready"
+    assert v["commitment"] == trainer.publisher.chain.manifest(0).commitment
+    d = live_digest(server)
+    assert d["state_digest"] == trainer.publisher.state_digest and d["matches_held"]
+    out = server.complete(PROMPTS[0])
+    assert out["policy_version"] == 0
+    seen["base"] = out["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_live_digest_equals_trainer_at_every_step(server: Server, trainer: FakeTrainer):
+    for _ in range(3):
+        report = trainer.step()
+        trainer.publisher.flush()
+        assert report.replicas[server.url] == f"ok v{report.version}", report.replicas
+        assert 0 < report.changed < report.numel
+        d = live_digest(server)
+        assert d["version"] == report.version
+        assert d["state_digest"] == report.state_digest  # computed from the engine's live weights
+        assert d["commitment"] == report.commitment
+        assert server.complete()["policy_version"] == report.version
+
+
+def test_real_openai_client(server: Server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    c = client.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                  logprobs=2, extra_body={"return_token_ids": True})
+    assert c.model_extra["policy_version"] == 3
+    assert len(c.choices[0].logprobs.token_logprobs) == 6
+    assert len(c.choices[0].model_extra["token_ids"]) == 6
+    chat = client.chat.completions.create(model=server.model, max_tokens=5, temperature=0, logprobs=True,
+                                          messages=[{"role": "user", "content": "crane"}])
+    assert chat.model_extra["policy_version"] == 3
+    assert len(chat.choices[0].logprobs.content) == 5
+    stream = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=4,
+                                       temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[-1].model_extra["policy_version"] == 3
+
+
+def test_concurrent_requests_during_updates_carry_one_version_each(server: Server, trainer: FakeTrainer):
+    stop = threading.Event()
+    results: list[tuple[int, dict]] = []
+
+    def hammer(i: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                r = c.post(server.url + "/v1/completions",
+                           json={"model": server.model, "prompt": PROMPTS[i % len(PROMPTS)],
+                                 "max_tokens": 16, "temperature": 1.0, "n": 1 + i % 2})
+                results.append((r.status_code, r.json()))
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    for _ in range(2):
+        trainer.step()
+        trainer.publisher.flush()
+        time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert results and all(code == 200 for code, _ in results), [b for c, b in results if c != 200][:2]
+    versions = [body["policy_version"] for _, body in results]
+    assert all(isinstance(v, int) for v in versions), [b for _, b in results if "policy_version_spans" in b][:1]
+    assert set(versions) <= {3, 4, 5} and len(set(versions)) >= 2, versions
+    assert live_digest(server)["state_digest"] == trainer.publisher.state_digest
+
+
+def test_greedy_matches_fresh_server_and_late_replica_catches_up(
+        server: Server, trainer: FakeTrainer, tiny_model_dir: Path, store: Path, rollout_dir: Path):
+    target = trainer.publisher.version
+    ckpt = checkpoint_dir(tiny_model_dir, str(store), target, rollout_dir / f"ckpt-v{target}")
+    fresh = launch(ckpt, rollout_dir / "empty-bucket", rollout_dir)  # serves its own model
+    late = launch(tiny_model_dir, store, rollout_dir)  # joins late: must catch up at start
+    try:
+        wait_ready(fresh), wait_ready(late)
+        assert fresh.get("/version").json()["version"] is None
+        assert late.get("/version").json()["version"] == target
+        assert live_digest(late)["state_digest"] == live_digest(server)["state_digest"] \
+            == live_digest(fresh)["state_digest"] == trainer.publisher.state_digest
+        for p in PROMPTS:
+            a, b = server.complete(p, 12), fresh.complete(p, 12)
+            assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+            assert a["choices"][0]["logprobs"]["token_logprobs"] == b["choices"][0]["logprobs"]["token_logprobs"]
+            assert late.complete(p, 12)["choices"][0]["token_ids"] == a["choices"][0]["token_ids"]
+        assert server.complete(PROMPTS[0])["choices"][0]["logprobs"]["token_logprobs"] != seen["base"]
+    finally:
+        fresh.stop(), late.stop()
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def _publish_raw(store: Path, data: bytes, header) -> None:
+    key = delta_key(header.base_version, header.version)
+    Chain(open_store(str(store))).publish(header, {key: data}, [ref_for("delta", header, key, data)])
+
+
+def _unpublish(store: Path, version: int, back_to: Latest) -> None:
+    s = open_store(str(store))
+    s.delete(manifest_key(version))
+    s.delete(delta_key(version - 1, version))
+    s.put(LATEST, back_to.model_dump_json().encode())
+
+
+def _refused(server: Server, store: Path, data: bytes, header, status: int, reason: str) -> None:
+    before = live_digest(server)
+    latest = Chain(open_store(str(store))).latest()
+    _publish_raw(store, data, header)
+    try:
+        r = server.update()
+        assert r.status_code == status, r.text
+        body = r.json()
+        assert body["refused"]["reason"] == reason and body["accepted"] is False
+        assert body["version"] == before["version"]
+        after = live_digest(server)
+        assert after["state_digest"] == before["state_digest"] and after["version"] == before["version"]
+        assert server.complete()["policy_version"] == before["version"]
+        metrics = server.get("/metrics").text
+        assert f'deltasync_updates_refused_total{{reason="{reason}"}}' in metrics
+    finally:
+        _unpublish(store, header.version, latest)
+
+
+def _perturb(state: dict[str, torch.Tensor], seed: int = 7) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    new = {}
+    for n, t in state.items():
+        flip = torch.rand(t.shape, generator=g) < 0.05
+        new[n] = torch.where(flip, (t.float() * 1.01 + 1e-3).to(t.dtype), t)
+    return new
+
+
+def _next_states(store: Path):
+    chain = Chain(open_store(str(store)))
+    state, header = reconstruct(chain, chain.latest().version)
+    return state, _perturb(state), header
+
+
+def test_damaged_delta_is_refused_and_previous_version_served(server: Server, store: Path):
+    state, new, h = _next_states(store)
+    data = encode_delta(state, new, version=h.version + 1, base_version=h.version,
+                        base_commitment=h.commitment)
+    header = DeltaFile.from_bytes(data).header
+    damaged = bytearray(data)
+    damaged[-3] ^= 0x40  # inside the last blob: its blake3 no longer matches the header
+    _refused(server, store, bytes(damaged), header, 422, "corrupt")
+
+
+def test_wrong_base_delta_is_refused(server: Server, store: Path):
+    state, new, h = _next_states(store)
+    other = {n: t.clone() for n, t in state.items()}
+    other["model.norm.weight"].view(torch.int16)[0] ^= 1
+    data = encode_delta(other, new, version=h.version + 1, base_version=h.version,
+                        base_commitment=h.commitment[::-1])  # built on some other chain
+    _refused(server, store, data, DeltaFile.from_bytes(data).header, 409, "wrong_base")
+
+
+def test_delta_that_would_not_reach_its_digest_is_refused_before_writing(server: Server, store: Path):
+    state, _, h = _next_states(store)
+    other = {n: t.clone() for n, t in state.items()}  # right commitment, wrong base bits
+    other["model.layers.0.mlp.down_proj.weight"].view(-1).view(torch.int16)[:50] ^= 3
+    new = _perturb(other)  # most of the 50 stay as in `other`, which this replica does not hold
+    data = encode_delta(other, new, version=h.version + 1, base_version=h.version,
+                        base_commitment=h.commitment)
+    _refused(server, store, data, DeltaFile.from_bytes(data).header, 422, "digest_mismatch")
+
+
+def test_unauthorized_update_is_401(server: Server):
+    assert server.post("/update", json={}).status_code == 401
+    assert server.post("/update", json={}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert server.post("/pause").status_code == 401
+
+
+def test_pause_resume_and_update_without_waiting(server: Server, trainer: FakeTrainer):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert server.post("/pause", headers=auth).json() == {"status": "paused"}
+    assert server.get("/is_paused").json() == {"is_paused": True}
+    assert server.post("/resume", headers=auth).json() == {"status": "resumed"}
+    assert server.get("/is_paused").json() == {"is_paused": False}
+    trainer.publisher.replicas.clear()  # no notification: the replica is told below
+    report = trainer.step()
+    trainer.publisher.flush()
+    r = server.post("/update?wait=false", json={"version": report.version}, headers=auth)
+    assert r.status_code == 202
+    deadline = time.monotonic() + 60
+    while server.get("/version").json()["version"] != report.version:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert live_digest(server)["state_digest"] == report.state_digest == state_digest(
+        {n: t.to(torch.bfloat16) for n, t in trainer.master.items()})
+    assert server.get("/health").json() == {"status": "ok", "version": report.version}
