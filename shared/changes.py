@@ -8,6 +8,7 @@ in place. Writing only the changed words keeps the snapshot update nearly free a
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -45,15 +46,29 @@ def unsigned_view(t: torch.Tensor) -> np.ndarray:
     return t.detach().reshape(-1).view(iv).numpy().view(UNSIGNED_NP[iv])
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(cap: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Per-thread output buffers, reused across calls: fresh pages cost a fault each (very
+    expensive in a microVM), and the result is copied out at its true, small size anyway."""
+    pos, xor = getattr(_SCRATCH, "pos", None), getattr(_SCRATCH, "xor_" + dtype.str, None)
+    if pos is None or pos.shape[0] < cap:
+        pos = _SCRATCH.pos = np.empty(cap, dtype=np.int64)
+    if xor is None or xor.shape[0] < cap:
+        xor = np.empty(cap, dtype=dtype)
+        setattr(_SCRATCH, "xor_" + dtype.str, xor)
+    return pos[:cap], xor[:cap]
+
+
 def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: int):
     o, n = old[start:stop], new[start:stop]
     lanes = 8 // o.itemsize
     words = (stop - start) // lanes
-    pos = np.empty(cap, dtype=np.int64)
-    xor = np.empty(cap, dtype=o.dtype)
+    pos, xor = _scratch(cap, o.dtype)
     k = scan_changes(o[: words * lanes].view(np.uint64), n[: words * lanes].view(np.uint64), o, n,
-              lanes, pos, xor, start)
-    return k, pos, xor
+                     lanes, pos, xor, start)
+    return k, pos[:min(k, cap)].copy(), xor[:min(k, cap)].copy()
 
 
 _POOL: ThreadPoolExecutor | None = None

@@ -257,7 +257,7 @@ class DeltaPublisher:
         job.report.upload_s = time.perf_counter() - t0
 
     def _notify(self, report: PublishReport) -> None:
-        if not self.replicas:
+        if not self.replicas or report.version == 0:  # replicas start on (or catch up to) v0
             return
         t0 = time.perf_counter()
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}

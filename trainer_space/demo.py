@@ -30,13 +30,14 @@ from shared.tiny_model import CORPUS, build_tiny_model
 
 from .replica_process import Replica
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def sample(client: httpx.Client, url: str, prompts: list[str], n: int, max_tokens: int) -> tuple[list, int]:
+    model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
     r = client.post(f"{url}/v1/completions", json={
-        "model": "policy", "prompt": prompts, "n": n, "max_tokens": max_tokens, "temperature": 1.0,
-        "seed": 0, "return_token_ids": True})
+        "model": model, "prompt": prompts, "n": n, "max_tokens": max_tokens, "temperature": 1.0,
+        "return_token_ids": True})
     r.raise_for_status()
     body = r.json()
     return body["choices"], body.get("policy_version")
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 ok_all &= ok
                 answer = report.replicas.get(replica.url, {})
                 pause = sum(s.get("pause_s", 0.0) for s in answer.get("steps", []))
-                row = {"step": step, "loss": float(loss), "reward": mean_reward,
+                row = {"step": step, "loss": float(loss.detach()), "reward": mean_reward,
                        "sampled_from": served, **report.as_dict(), "pause_s": pause, "e2e_s": e2e,
                        "replica_digest": live["state_digest"], "exact": ok}
                 rows.append(row)
