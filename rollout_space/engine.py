@@ -132,10 +132,12 @@ class RolloutEngine:
         t1 = time.perf_counter()
         try:
             await self.catch_up()
-        except UpdateRefused as e:
-            log.error("catch-up at start failed: %s", e)
-            if self.state.version is None and self.state.status != "damaged":
-                self.state.status = "ready"
+        except UpdateRefused as e:  # serve what we hold; the poller and /update retry
+            log.error("catch-up at start refused: %s", e)
+        except Exception:  # noqa: BLE001 - e.g. the store is unreachable
+            log.exception("catch-up at start failed; serving v%s", self.state.version)
+        if self.state.status == "updating":
+            self.state.status = "ready"
         self.timings["catchup_s"] = time.perf_counter() - t1
         self.timings["startup_s"] = time.perf_counter() - t0
         if self.state.status == "starting":
@@ -300,7 +302,14 @@ class RolloutEngine:
         finally:
             path.unlink(missing_ok=True)
         metrics.observe_step(step)
+        self._log_step(step)
         return step
+
+    def _log_step(self, s: StepReport) -> None:
+        log.info("applied v%d (%s, %d changed, %d B): download %.1f ms, stage %.1f ms, drain %.1f ms, "
+                 "pause %.2f ms (write %.2f ms), audit %.1f ms", s.version, s.kind, s.changed, s.bytes,
+                 s.download_s * 1e3, s.stage_s * 1e3, s.drain_s * 1e3, s.pause_s * 1e3, s.commit_s * 1e3,
+                 s.audit_s * 1e3)
 
     async def _paused_write(self, version: int, commitment: str, state_digest: str, mode: PauseMode,
                             method: str, arg: str, step: StepReport) -> dict:
@@ -380,15 +389,30 @@ class RolloutEngine:
             if ref.key is not None:
                 Path(path).unlink(missing_ok=True)
         metrics.observe_step(step)
+        self._log_step(step)
         return step
 
     async def _download(self, ref) -> tuple[Path, float]:
+        """Download to a file and check size and blake3 against the manifest, streaming (an
+        anchor is never held in memory whole)."""
         t0 = time.perf_counter()
-        data = await asyncio.to_thread(self.chain.fetch_bytes, ref)
         path = self._work / f"{Path(ref.key).stem}-{os.getpid()}.safetensors"
-        await asyncio.to_thread(path.write_bytes, data)
+
+        def fetch() -> int:
+            import blake3
+
+            self.chain.store.download(ref.key, path)
+            size = path.stat().st_size
+            digest = blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(str(path)).hexdigest() \
+                if size else blake3.blake3().hexdigest()
+            if size != ref.size or digest != ref.blake3:
+                path.unlink(missing_ok=True)
+                raise DeltaError("corrupt", f"{ref.key}: {size} bytes that do not match the manifest")
+            return size
+
+        size = await asyncio.to_thread(fetch)
         dt = time.perf_counter() - t0
-        metrics.DOWNLOAD_BYTES.inc(len(data))
+        metrics.DOWNLOAD_BYTES.inc(size)
         metrics.DOWNLOAD_SECONDS.observe(dt)
         return path, dt
 

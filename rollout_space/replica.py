@@ -109,7 +109,11 @@ class LiveWeights:
             if e.encoding == "same" and e.digest != self.held.digests[name]:
                 raise DeltaError("wrong_base", f"{name}: delta keeps digest {e.digest[:12]}…, "
                                  f"replica holds {self.held.digests[name][:12]}…")
-            if e.encoding != "same" and name not in self.live.map.tensors:
+            if e.encoding != "same" and name not in self.live.map.tensors and not any(
+                    o.digest == e.digest and o.shape == e.shape and n in self.live.map.tensors
+                    for n, o in header.tensors.items()):
+                # A tensor the loader writes nowhere (a tied LM head listed in the checkpoint)
+                # may change only to the value of a tensor the engine holds: the tie carries it.
                 raise DeltaError("shape_mismatch", f"{name} changes but the engine does not hold it")
 
     def stage(self, delta: DeltaFile, *, predict: bool = True) -> Staged:
@@ -127,6 +131,8 @@ class LiveWeights:
                 t_decode += time.perf_counter() - a
                 if change is None:
                     break
+                if change.name not in self.live.map.tensors:
+                    continue  # a tie alias, checked above
                 a = time.perf_counter()
                 pieces = self._patches_for(change)
                 patches += [p for p, _, _ in pieces]
@@ -198,8 +204,8 @@ class LiveWeights:
         staged.previous = Held(self.held.version, self.held.commitment, dict(self.held.digests),
                                self.held.specs)
         h = staged.header
-        for name in staged.touched:
-            self.held.digests[name] = h.tensors[name].digest
+        for name, e in h.tensors.items():
+            self.held.digests[name] = e.digest
         self.held.version, self.held.commitment = h.version, h.commitment
         staged.committed = True
         staged.timings["commit_s"] = dt

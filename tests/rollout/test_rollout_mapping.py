@@ -1,0 +1,150 @@
+"""Probe maps and the staged apply on a small stand-in for a vLLM model (no engine, fast).
+
+The stand-in loads checkpoint tensors the way vLLM's loaders do: q/k/v fused into one
+parameter, a padded vocabulary whose padding rows are zero-filled on every load, a tied LM head
+the loader skips, and one transposed weight (many runs instead of one).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_space.mapping import EngineMap, LiveMap, MapError, build_map
+from rollout_space.replica import LiveWeights, genesis_commitment
+from rollout_space.server import policy_fields
+from shared.codec import DeltaFile, encode_delta
+from shared.digest import SAFETENSORS_DTYPES, state_digest, tensor_digest
+from shared.errors import DeltaError
+
+BF16 = torch.bfloat16
+CKPT = {"embed.weight": (10, 4), "q.weight": (4, 4), "k.weight": (2, 4), "v.weight": (2, 4),
+        "o.weight": (3, 5), "norm.weight": (4,), "lm_head.weight": (10, 4)}
+
+
+class FusedModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.zeros(16, 4, dtype=BF16), requires_grad=False)
+        self.qkv = torch.nn.Parameter(torch.zeros(8, 4, dtype=BF16), requires_grad=False)
+        self.o_t = torch.nn.Parameter(torch.zeros(5, 3, dtype=BF16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(4, dtype=BF16), requires_grad=False)
+        self.lm_head = self.embed  # tied: the same parameter
+
+    def load_weights(self, weights):
+        rows = {"q.weight": 0, "k.weight": 4, "v.weight": 6}
+        for name, t in weights:
+            if name == "embed.weight":
+                self.embed.data[:10].copy_(t)
+                self.embed.data[10:].fill_(0)  # vLLM zero-fills the padding rows on every load
+            elif name in rows:
+                self.qkv.data[rows[name]: rows[name] + t.shape[0]].copy_(t)
+            elif name == "o.weight":
+                self.o_t.data.copy_(t.t())
+            elif name == "norm.weight":
+                self.norm.data.copy_(t)
+            # lm_head.weight: tied, skipped like vLLM does
+
+
+def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(s, generator=g) * 0.02).to(BF16) for n, s in CKPT.items()}
+
+
+@pytest.fixture
+def loaded():
+    ckpt = checkpoint()
+    ckpt["lm_head.weight"] = ckpt["embed.weight"].clone()
+    specs = {n: (SAFETENSORS_DTYPES[t.dtype], list(t.shape)) for n, t in ckpt.items()}
+    model = FusedModel()
+    emap = build_map(model, specs, key="test")
+    emap = EngineMap.model_validate_json(emap.model_dump_json())  # the cache round trip
+    model.load_weights(ckpt.items())
+    live = LiveMap(emap, model)
+    weights = LiveWeights(model, live, specs, {"lm_head.weight": tensor_digest(ckpt["lm_head.weight"])})
+    weights.held.digests.update(weights.live_digests(list(emap.tensors)))
+    return ckpt, model, emap, weights
+
+
+def test_probe_finds_fused_padded_tied_and_transposed_layouts(loaded):
+    ckpt, model, emap, weights = loaded
+    assert emap.ignored == ["lm_head.weight"]
+    names = [p.name for p in emap.params]
+    t = emap.tensors
+    assert (t["k.weight"].param, t["k.weight"].param_start, t["k.weight"].length) == ([names.index("qkv")], [16], [8])
+    assert (t["v.weight"].param_start, t["embed.weight"].param_start) == ([24], [0])
+    assert len(t["o.weight"].hf_start) == 15  # transposed: every element its own run
+    for name in emap.tensors:  # reading back gives the checkpoint, bit for bit
+        assert torch.equal(weights.live.read(name).view(torch.int16), ckpt[name].view(torch.int16))
+    assert weights.held.state_digest == state_digest(ckpt)
+
+
+def test_packed_weights_are_refused():
+    model = FusedModel()
+    model.qkv = torch.nn.Parameter(torch.empty(0, dtype=BF16), requires_grad=False)
+    with pytest.raises(MapError, match="empty"):
+        build_map(model, {"q.weight": ("BF16", [4, 4])}, key="x")
+
+
+def _delta(ckpt, new, base_commitment, version=1):
+    return DeltaFile.from_bytes(encode_delta(ckpt, new, version=version, base_version=version - 1,
+                                             base_commitment=base_commitment))
+
+
+def _changed(ckpt, seed=1, fraction=0.3):
+    g = torch.Generator().manual_seed(seed)
+    new = {}
+    for n, t in ckpt.items():
+        bits = t.reshape(-1).view(torch.int16).clone()
+        mask = torch.rand(bits.numel(), generator=g) < fraction
+        bits[mask] ^= 5
+        new[n] = bits.view(BF16).view(t.shape)
+    new["lm_head.weight"] = new["embed.weight"].clone()
+    return new
+
+
+def test_stage_commit_audit_revert(loaded):
+    ckpt, model, emap, weights = loaded
+    c0 = genesis_commitment(state_digest(ckpt))
+    weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
+    new = _changed(ckpt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    staged = weights.stage(_delta(ckpt, new, c0))
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # staging writes nothing
+    weights.commit(staged)
+    assert weights.audit(staged) == []
+    assert weights.live_state_digest() == state_digest(new) == weights.held.state_digest
+    assert weights.held.version == 1
+    assert torch.equal(model.embed[10:], torch.zeros(6, 4, dtype=BF16))  # padding untouched
+    weights.revert(staged)
+    assert weights.live_state_digest() == state_digest(ckpt) and weights.held.version == 0
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_refusals_leave_weights_untouched(loaded):
+    ckpt, model, emap, weights = loaded
+    c0 = genesis_commitment(state_digest(ckpt))
+    weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
+    before = weights.live_state_digest()
+    new = _changed(ckpt)
+    with pytest.raises(DeltaError) as e:  # built on another chain
+        weights.stage(_delta(ckpt, new, "f" * 64))
+    assert e.value.reason == "wrong_base"
+    with pytest.raises(DeltaError) as e:  # out of order
+        weights.stage(_delta(ckpt, new, c0, version=3))
+    assert e.value.reason == "out_of_order"
+    other = {n: t.clone() for n, t in ckpt.items()}  # right commitment, wrong bits underneath
+    other["o.weight"].view(-1).view(torch.int16)[:5] ^= 1
+    with pytest.raises(DeltaError) as e:
+        weights.stage(_delta(other, _changed(other), c0))
+    assert e.value.reason in ("digest_mismatch", "wrong_base")
+    assert weights.live_state_digest() == before and weights.held.version == 0
+
+
+def test_policy_fields_single_and_mixed():
+    assert policy_fields([[("4", 0, 8)], [("4", 0, 3)]], "4") == {"policy_version": 4}
+    assert policy_fields([], "base") == {"policy_version": None}
+    mixed = policy_fields([[("4", 0, 5), ("5", 5, 8)]], "5")
+    assert mixed["policy_version"] is None and mixed["policy_versions"] == [4, 5]
+    assert mixed["policy_version_spans"] == [[{"version": 4, "start": 0, "end": 5},
+                                              {"version": 5, "start": 5, "end": 8}]]
