@@ -323,7 +323,7 @@ class RolloutEngine:
             try:
                 result = await self.rpc(method, arg)
                 await engine.update_weight_version(label_of(version))
-                await engine.reset_prefix_cache()
+                await self._reset_prefix_cache(mode)
                 self.state.version, self.state.commitment = version, commitment
                 self.state.state_digest = state_digest
             finally:
@@ -333,6 +333,12 @@ class RolloutEngine:
         step.drain_s, step.pause_s = b - a, c - b
         metrics.VERSION.set(version)
         return result
+
+    async def _reset_prefix_cache(self, mode: PauseMode) -> None:
+        """Cached KV was computed with the old weights. Requests frozen by ``mode="keep"`` hold
+        blocks, so they are preempted: they resume by recomputing their KV on the new weights."""
+        if not await self.engine.reset_prefix_cache(reset_running_requests=mode == "keep"):
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
 
     async def _paused_revert(self, stage_id: str, mode: PauseMode) -> None:
         engine = self.engine
@@ -345,7 +351,7 @@ class RolloutEngine:
                 self.state.version, self.state.commitment = held["version"], held["commitment"]
                 self.state.state_digest = held["state_digest"]
                 await engine.update_weight_version(label_of(self.state.version))
-                await engine.reset_prefix_cache()
+                await self._reset_prefix_cache(mode)
             finally:
                 if not self.user_paused:
                     await engine.resume_generation()

@@ -252,10 +252,10 @@ def _probe_tensor(model: torch.nn.Module, name: str, dtype: torch.dtype, shape: 
     for land, parts in zip(landings, hf_parts):
         if not land.positions.numel():
             continue
-        hf_idx = torch.stack(parts).sum(0).numpy()
+        hf_idx = torch.stack(parts).sum(0).cpu().numpy()
         if hf_idx.max() >= numel:
             raise MapError(f"{name}: decoded index {hf_idx.max()} is outside the tensor")
-        s, n, ps = _runs(hf_idx, land.positions.numpy())
+        s, n, ps = _runs(hf_idx, land.positions.cpu().numpy())
         starts.append(s), lengths.append(n), pstarts.append(ps)
         params.append(np.full(s.size, land.param, np.int64))
     s, n, p, ps = (np.concatenate(a) for a in (starts, lengths, params, pstarts))

@@ -155,20 +155,24 @@ class LiveWeights:
         out = []
         for pl in self.live.locate(change.name, change.positions):
             flat = self.live.flats[pl.param]
+            dev = flat.device  # on GPU, indices and bits move over while serving, not in the pause
             same = flat.dtype == ck_dtype
             target = _bits(flat) if same else flat
-            old = target.index_select(0, pl.dest)
+            dest = pl.dest.to(dev)
+            old = target.index_select(0, dest)
             old_ck = old if same else _bits(old.to(ck_dtype))
             if full is not None:
-                new_ck = full if pl.select is None else full[pl.select]
+                new_ck = (full if pl.select is None else full[pl.select]).to(dev)
             else:
-                bits = change.bits if pl.select is None else change.bits[pl.select]
+                bits = (change.bits if pl.select is None else change.bits[pl.select]).to(dev)
                 new_ck = old_ck ^ bits if change.mode == "xor" else bits
             new = new_ck if same else new_ck.view(ck_dtype).to(flat.dtype)
             positions = change.positions
             if pl.select is not None:
                 positions = (positions[pl.select] if positions is not None else pl.select)
-            out.append((Patch(change.name, target, pl.dest, new.contiguous(), old), positions, new_ck))
+            if positions is not None:
+                positions = positions.to(dev)
+            out.append((Patch(change.name, target, dest, new.contiguous(), old), positions, new_ck))
         return out
 
     def _predict(self, change: TensorChange, pieces, digest: str) -> None:
@@ -200,6 +204,8 @@ class LiveWeights:
                 for p in reversed(done):
                     p.revert()
                 raise
+            if staged.patches and staged.patches[0].target.is_cuda:
+                torch.cuda.synchronize()  # the pause ends when the writes have landed
         dt = time.perf_counter() - t0
         staged.previous = Held(self.held.version, self.held.commitment, dict(self.held.digests),
                                self.held.specs)

@@ -69,7 +69,10 @@ def test_live_digest_equals_trainer_at_every_step(server: Server, trainer: FakeT
     for _ in range(3):
         report = trainer.step()
         trainer.publisher.flush()
-        assert report.replicas[server.url] == f"ok v{report.version}", report.replicas
+        answer = report.replicas[server.url]  # the replica's /update response (or "ok vN")
+        assert answer == f"ok v{report.version}" or (
+            isinstance(answer, dict) and answer.get("version") == report.version
+            and answer.get("state_digest") == report.state_digest), answer
         assert 0 < report.changed < report.numel
         d = live_digest(server)
         assert d["version"] == report.version
@@ -251,3 +254,27 @@ def test_pause_resume_and_update_without_waiting(server: Server, trainer: FakeTr
     assert live_digest(server)["state_digest"] == report.state_digest == state_digest(
         {n: t.to(torch.bfloat16) for n, t in trainer.master.items()})
     assert server.get("/health").json() == {"status": "ok", "version": report.version}
+
+
+def test_in_flight_update_when_asked_spans_two_versions(server: Server, trainer: FakeTrainer):
+    """mode=keep: a request in flight continues on the new weights and says so, token by token."""
+    before = server.get("/version").json()["version"]
+    report = trainer.step()  # not announced: replicas were cleared above
+    trainer.publisher.flush()
+    out: dict = {}
+
+    def long_request() -> None:
+        out["body"] = server.complete("The quick brown", max_tokens=400, ignore_eos=True)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.4)
+    r = server.post("/update", json={"version": report.version, "mode": "keep"},
+                    headers={"Authorization": f"Bearer {TOKEN}"})
+    t.join()
+    assert r.status_code == 200 and r.json()["version"] == report.version
+    body = out["body"]
+    assert body["policy_version"] is None and body["policy_versions"] == [before, report.version]
+    spans = body["policy_version_spans"][0]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
+    assert server.complete()["policy_version"] == report.version
