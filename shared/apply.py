@@ -5,9 +5,9 @@ Two kinds of patch, both with ``apply()`` and ``revert()``:
 * :class:`Patch` holds plain new bits and the old bits gathered from the live tensor. Writing is
   an ``index_copy_``: idempotent (an aliased tensor written twice is harmless) and undone by one
   more ``index_copy_``. This is what a server wants inside a pause: all the work before it.
-* :class:`XorPatch` flips the bits in place in one pass on CPU tensors: no gather and no copy of
-  old values, since an XOR is its own inverse. It remembers whether it is applied, so it is
-  never applied twice.
+* :class:`InPlacePatch` XORs or adds the stored bits in place in one pass on CPU tensors: no
+  gather and no copy of old values, since either is undone by itself (XOR) or its negation
+  (add). It remembers whether it is applied, so it is never applied twice.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .changes import INT_VIEW
 from .codec import DeltaFile, Header, TensorChange
 from .digest import TORCH_DTYPES, tensor_digest
 from .errors import DeltaError
-from .kernels import xor_scatter
+from .kernels import add_scatter, xor_scatter
 
 
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -45,22 +45,27 @@ class Patch:
         _write(self.target, self.positions, self.old)
 
 
-class XorPatch:
-    def __init__(self, name: str, target: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor):
-        self.name, self.target, self.positions, self.bits = name, target, positions, bits
+class InPlacePatch:
+    def __init__(self, name: str, mode: str, target: torch.Tensor, positions: torch.Tensor,
+                 bits: torch.Tensor):
+        self.name, self.mode, self.target, self.positions, self.bits = name, mode, target, positions, bits
         self.applied = False
 
-    def _flip(self) -> None:
-        xor_scatter(self.target.numpy(), self.positions.numpy(), self.bits.numpy())
+    def _run(self, sign: int) -> None:
+        t, p, b = self.target.numpy(), self.positions.numpy(), self.bits.numpy()
+        if self.mode == "xor":
+            xor_scatter(t, p, b)
+        else:
+            add_scatter(t, p, b, sign)
 
     def apply(self) -> None:
         if not self.applied:
-            self._flip()
+            self._run(1)
             self.applied = True
 
     def revert(self) -> None:
         if self.applied:
-            self._flip()
+            self._run(-1)
             self.applied = False
 
 
@@ -71,11 +76,14 @@ def _write(target: torch.Tensor, positions: torch.Tensor | None, bits: torch.Ten
         target.index_copy_(0, positions, bits)
 
 
-def make_patch(change: TensorChange, target: torch.Tensor, *, in_place: bool = False) -> Patch | XorPatch:
+def make_patch(change: TensorChange, target: torch.Tensor, *,
+               in_place: bool = False) -> Patch | InPlacePatch:
     """A patch for one change onto its live flat target. ``in_place`` allows an
-    :class:`XorPatch` (CPU, XOR at listed positions); otherwise old bits are gathered now."""
-    if in_place and change.mode == "xor" and change.positions is not None and target.device.type == "cpu":
-        return XorPatch(change.name, target, change.positions, change.bits)
+    :class:`InPlacePatch` (CPU, XOR or add at listed positions); otherwise old bits are gathered
+    now and the write is a plain copy."""
+    if (in_place and change.mode in ("xor", "add") and change.positions is not None
+            and target.device.type == "cpu"):
+        return InPlacePatch(change.name, change.mode, target, change.positions, change.bits)
     if change.positions is None:
         old = target.clone()
     else:
@@ -118,7 +126,7 @@ def check_base(header: Header, *, version: int | None, commitment: str | None,
 
 
 def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
-            in_place: bool = True) -> list[Patch | XorPatch]:
+            in_place: bool = True) -> list[Patch | InPlacePatch]:
     """Decode (and gather) everything needed; touches no weight, so any error leaves all as it was.
 
     Tensors that share storage (tied weights listed twice) always get gathering patches, so
@@ -131,10 +139,10 @@ def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
             for c in delta.changes()]
 
 
-def commit(patches: list[Patch | XorPatch], verify: Mapping[str, str] | None = None,
+def commit(patches: list[Patch | InPlacePatch], verify: Mapping[str, str] | None = None,
            target: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write all patches; if a digest in ``verify`` (name -> digest) then fails, revert them all."""
-    done: list[Patch | XorPatch] = []
+    done: list[Patch | InPlacePatch] = []
     try:
         for p in patches:
             p.apply()

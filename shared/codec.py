@@ -5,11 +5,15 @@ also a loadable checkpoint) or a *delta*. In a delta each changed tensor ``name`
 ``U8`` blobs:
 
 * ``name::pos``: the changed flat C-order positions as gaps (``pos[i] - pos[i-1] - 1``, the
-  first from -1), little-endian, ``gap_bytes`` wide, split into byte planes, zstd-compressed.
+  first from -1): entropy-coded, or little-endian ``gap_bytes`` wide in byte planes under zstd.
   Absent when ``positions == "all"`` (every element is sent).
-* ``name::val``: the element bits at those positions, split into byte planes and zstd-compressed:
-  either the XOR of old and new bits (``encoding == "xor"``, smallest, applied once onto the
-  exact base) or the new bits (``"set"``, idempotent). Whichever is smaller wins per tensor.
+* ``name::val``: what changed at those positions, in the kind that is smallest for this tensor
+  (``encoding``): the XOR of old and new bits (``"xor"``), the wrapping integer difference of the
+  bit patterns (``"add"``; a one-ulp step is +-1), both applied once onto the exact base, or the
+  new bits (``"set"``, idempotent).
+
+Each blob is compressed by ``coders[suffix]``: zstd over byte planes, or ``"ans"`` (entropy
+coding fitted to the blob, see :mod:`shared.entropy`).
 
 Tensors of other dtypes that changed are stored whole under their own name (``"full"``).
 The safetensors metadata key ``deltasync`` holds a JSON :class:`Header` (checksummed by
@@ -36,6 +40,7 @@ import zstandard
 from pydantic import BaseModel, ValidationError
 
 from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, unsigned_view
+from .entropy import decode_ints, encode_ints
 from .kernels import gaps_to_positions, join_planes, max_gap, positions_to_gaps, split_planes
 from .digest import (
     TORCH_DTYPES,
@@ -53,7 +58,7 @@ FORMAT_VERSION = 1
 ZSTD_LEVEL = 3
 POS, VAL = "::pos", "::val"
 
-Encoding = Literal["same", "xor", "set", "full"]
+Encoding = Literal["same", "xor", "add", "set", "full"]
 
 
 class TensorEntry(BaseModel):
@@ -65,6 +70,7 @@ class TensorEntry(BaseModel):
     positions: Literal["gaps", "all"] | None = None
     gap_bytes: int = 0
     blobs: dict[str, str] = {}  # blob suffix -> blake3 of its bytes
+    coders: dict[str, Literal["zstd", "ans"]] = {}  # blob suffix -> how it is compressed
 
     @property
     def numel(self) -> int:
@@ -132,20 +138,29 @@ def _decompress(blob, size: int) -> bytes:
     return out
 
 
-def encode_positions(positions: np.ndarray) -> tuple[bytes, int]:
+def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
+    """Gaps between positions, as zstd'd byte planes or entropy-coded, whichever is smaller."""
     nbytes = max(1, (int(max_gap(positions)).bit_length() + 7) // 8)
     planes = np.empty(positions.shape[0] * nbytes, dtype=np.uint8)
     positions_to_gaps(positions, nbytes, planes)
-    return _compress(planes), nbytes
+    zstd_blob = _compress(planes)
+    if positions.shape[0] < 32:  # the entropy coder's table would cost more than it saves
+        return zstd_blob, nbytes, "zstd"
+    ans_blob = encode_ints(np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1))
+    return (ans_blob, 0, "ans") if len(ans_blob) < len(zstd_blob) else (zstd_blob, nbytes, "zstd")
 
 
-def decode_positions(blob, count: int, gap_bytes: int, numel: int) -> np.ndarray:
-    if not 1 <= gap_bytes <= 8:
-        raise DeltaError("corrupt", f"gap width {gap_bytes} bytes")
-    planes = np.frombuffer(_decompress(blob, count * gap_bytes), dtype=np.uint8)
-    positions = np.empty(count, dtype=np.int64)
-    last = gaps_to_positions(planes, count, gap_bytes, positions)
-    if count and (last >= numel or last < positions[0] or positions[0] < 0):
+def decode_positions(blob, count: int, gap_bytes: int, numel: int, coder: str = "zstd") -> np.ndarray:
+    if coder == "ans":
+        positions = np.cumsum(decode_ints(blob, count).astype(np.int64) + 1) - 1
+    else:
+        if not 1 <= gap_bytes <= 8:
+            raise DeltaError("corrupt", f"gap width {gap_bytes} bytes")
+        planes = np.frombuffer(_decompress(blob, count * gap_bytes), dtype=np.uint8)
+        positions = np.empty(count, dtype=np.int64)
+        gaps_to_positions(planes, count, gap_bytes, positions)
+    if count and (positions[-1] >= numel or positions[0] < 0 or
+                  (count > 1 and np.any(positions[1:] <= positions[:-1]))):
         raise DeltaError("corrupt", f"positions run outside a tensor of {numel} elements")
     return positions
 
@@ -162,6 +177,51 @@ def decode_values(blob, count: int, dtype) -> np.ndarray:
     return out.view(dtype.newbyteorder("<")).astype(dtype, copy=False)
 
 
+def zigzag(d: np.ndarray) -> np.ndarray:
+    """Wrapping differences (unsigned) to small non-negative ints: 0, -1, 1, -2 -> 0, 1, 2, 3."""
+    s = d.view({2: np.int16, 4: np.int32}[d.itemsize]).astype(np.int64)
+    return ((s << 1) ^ (s >> 63)).astype(np.uint64)
+
+
+def unzigzag(z: np.ndarray, dtype) -> np.ndarray:
+    s = (z >> np.uint64(1)).astype(np.int64) ^ -(z & np.uint64(1)).astype(np.int64)
+    return s.astype({2: np.int16, 4: np.int32}[np.dtype(dtype).itemsize]).view(dtype)
+
+
+# Value kinds: what is stored at each changed position, and how it is compressed.
+#   xor: old ^ new bits (entropy-coded: mostly a few low bits flip)
+#   add: new - old as wrapping integers of the bit patterns, zigzagged (entropy-coded: a one-ulp
+#        step is +-1 whatever the carry, so this is usually the smallest; exact, not float math)
+#   set: the new bits (zstd'd byte planes; idempotent)
+VALUE_CODERS = {"xor": "ans", "add": "ans", "set": "zstd"}
+
+
+def value_bits(mode: str, xor: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The unsigned array a value kind stores, from the XOR and new bits at the same positions."""
+    if mode == "xor":
+        return xor
+    if mode == "set":
+        return new
+    return new - (new ^ xor)  # wraps: unsigned arithmetic
+
+
+def encode_value_bits(mode: str, bits: np.ndarray) -> bytes:
+    if VALUE_CODERS[mode] == "zstd":
+        return encode_values(bits)
+    return encode_ints(zigzag(bits) if mode == "add" else bits.astype(np.uint64))
+
+
+def decode_value_bits(mode: str, blob, count: int, dtype, coder: str) -> np.ndarray:
+    if coder == "zstd":
+        return decode_values(blob, count, dtype)
+    ints = decode_ints(blob, count)
+    if mode == "add":
+        return unzigzag(ints, dtype)
+    if count and int(ints.max()) >> (8 * np.dtype(dtype).itemsize):
+        raise DeltaError("corrupt", "value wider than its element")
+    return ints.astype(dtype)
+
+
 # --------------------------------------------------------------------------- encode
 
 
@@ -175,29 +235,32 @@ def _u8(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
 
 
-SAMPLE = 16384  # values compressed to choose between XOR and overwrite
+SAMPLE = 16384  # changes compressed per value kind to choose between them
 
 
-def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None,
-                 values: Mapping[str, Callable[[], np.ndarray]], changed: int) -> EncodedTensor:
-    """Encode the given positions (None: all elements) with whichever offered value kind
-    (``"xor"``: old ^ new bits, ``"set"``: new bits) compresses smaller on a sample. The
-    values are produced lazily, so the losing kind costs only its sample."""
-    if len(values) == 1:
-        encoding = next(iter(values))
-    else:
-        sample = positions[:SAMPLE] if positions is not None else slice(0, SAMPLE)
-        sizes = {k: len(encode_values(v(sample))) for k, v in values.items()}
-        encoding = min(sizes, key=sizes.get)
-    blobs = {VAL: encode_values(values[encoding](None))}
-    entry = base_entry.model_copy(update={"encoding": encoding, "changed": changed})
+def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None, mode: str,
+                 bits: np.ndarray, changed: int) -> EncodedTensor:
+    """Encode values of one kind at the given positions (None: every element)."""
+    blobs = {VAL: encode_value_bits(mode, bits)}
+    coders = {VAL: VALUE_CODERS[mode]}
+    entry = base_entry.model_copy(update={"encoding": mode, "changed": changed})
     if positions is None:
         entry.positions = "all"
     else:
-        blobs[POS], entry.gap_bytes = encode_positions(positions)
+        blobs[POS], entry.gap_bytes, coders[POS] = encode_positions(positions)
         entry.positions = "gaps"
     entry.blobs = {k: blake3.blake3(v).hexdigest() for k, v in blobs.items()}
+    entry.coders = coders
     return EncodedTensor(entry, {name + k: _u8(v) for k, v in blobs.items()})
+
+
+def choose_mode(xor: np.ndarray, new: Callable[[int | None], np.ndarray]) -> str:
+    """The value kind that compresses smallest on the first changes (``new(k)``: new bits of
+    the first k changes, or all of them for None)."""
+    k = min(SAMPLE, xor.shape[0])
+    sx, sn = xor[:k], new(k)
+    sizes = {m: len(encode_value_bits(m, value_bits(m, sx, sn))) for m in VALUE_CODERS}
+    return min(sizes, key=sizes.get)
 
 
 def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
@@ -223,18 +286,17 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
     o, n = unsigned_view(old), unsigned_view(new)
     if changes is None:  # dense change: send every element
         xor = o ^ n
-        enc = sparse_entry(entry, name, None, {"xor": lambda s: xor if s is None else xor[s],
-                                               "set": lambda s: n if s is None else n[s]},
-                           int(np.count_nonzero(xor)))
+        mode = choose_mode(xor, lambda k: n[:k])
+        enc = sparse_entry(entry, name, None, mode, value_bits(mode, xor, n), int(np.count_nonzero(xor)))
         if update:
             old.copy_(new)
         return enc
     if changes.count == 0:
         return EncodedTensor(entry, {})
     pos, xor = changes.positions, changes.xor
-    return sparse_entry(entry, name, pos, {
-        "xor": lambda s: xor if s is None else xor[: len(s)],
-        "set": lambda s: n[pos] if s is None else n[s]}, changes.count)
+    mode = choose_mode(xor, lambda k: n[pos[:k]])
+    bits = value_bits(mode, xor, n[pos] if mode != "xor" else xor)
+    return sparse_entry(entry, name, pos, mode, bits, changes.count)
 
 
 def _metadata(header: Header) -> dict[str, str]:
@@ -347,13 +409,23 @@ class TensorChange:
     """
 
     name: str
-    mode: Literal["xor", "set", "full"]
+    mode: Literal["xor", "add", "set", "full"]
     positions: torch.Tensor | None
     bits: torch.Tensor
 
     def new_bits(self, old_bits: torch.Tensor) -> torch.Tensor:
         """New element bits given the old ones at the same positions."""
-        return old_bits ^ self.bits if self.mode == "xor" else self.bits
+        return combine(self.mode, old_bits, self.bits)
+
+
+def combine(mode: str, old_bits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """New bits from old bits and a change's stored bits (any device; integer views)."""
+    if mode == "xor":
+        return old_bits ^ bits
+    if mode == "add":  # wrapping integer addition of the bit patterns
+        wide = torch.int32 if old_bits.dtype == torch.int16 else torch.int64
+        return (old_bits.to(wide) + bits.to(wide)).to(old_bits.dtype)
+    return bits
 
 
 class DeltaFile:
@@ -414,9 +486,11 @@ class DeltaFile:
             count, positions = e.numel, None
         else:
             count = e.changed
-            pos = decode_positions(self._blob(name, POS, e), count, e.gap_bytes, e.numel)
+            pos = decode_positions(self._blob(name, POS, e), count, e.gap_bytes, e.numel,
+                                   e.coders.get(POS, "zstd"))
             positions = torch.from_numpy(pos)
-        vals = decode_values(self._blob(name, VAL, e), count, UNSIGNED_NP[iv])
+        vals = decode_value_bits(e.encoding, self._blob(name, VAL, e), count, UNSIGNED_NP[iv],
+                                 e.coders.get(VAL, "zstd"))
         return TensorChange(name, e.encoding, positions, torch.from_numpy(vals.view(SIGNED_NP[iv])))
 
     def changes(self) -> Iterator[TensorChange]:

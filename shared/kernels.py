@@ -93,3 +93,10 @@ def join_planes(planes, itemsize, out):  # pragma: no cover
     for i in range(count):
         for b in range(itemsize):
             out[i * itemsize + b] = planes[b * count + i]
+
+
+@numba.njit(cache=True, nogil=True)
+def add_scatter(target, positions, bits, sign):  # pragma: no cover
+    """``target[positions] += sign * bits``, wrapping like the integers of the bit patterns."""
+    for i in range(positions.shape[0]):
+        target[positions[i]] += sign * bits[i]

@@ -1,8 +1,9 @@
-"""Compose consecutive deltas into one, without the base.
+"""Compose consecutive deltas into one.
 
-XOR composes without the base (``x1 ^ x2``), and so do overwrites (the later wins). A set
-followed by an XOR, or an XOR followed by a set, composes only where one side's positions cover
-the other's; otherwise the tensor cannot be squashed and the caller keeps the deltas apart.
+Without the base: XORs compose (``x1 ^ x2``), so do wrapping adds and overwrites (the later
+wins), and a set mixed with an XOR or add composes where one side's positions cover the other's.
+Otherwise :class:`NotSquashable` is raised, and :func:`squash_onto` (which holds the base
+state) does it by applying the deltas and encoding the result against the base.
 """
 
 from __future__ import annotations
@@ -41,18 +42,21 @@ def _union(a: _Sparse, b: _Sparse, combine) -> _Sparse:
     return _Sparse(a.mode, pos, out)
 
 
+OPS = {"xor": np.bitwise_xor, "add": np.add}  # unsigned: add wraps like the bit patterns
+
+
 def _compose(a: _Sparse, b: _Sparse) -> _Sparse:
-    if a.mode == b.mode == "xor":
-        r = _union(a, b, np.bitwise_xor)
-        keep = r.bits != 0  # flipped back: unchanged after all
-        return _Sparse("xor", r.positions[keep], r.bits[keep])
+    if a.mode == b.mode and a.mode in OPS:
+        r = _union(a, b, OPS[a.mode])
+        keep = r.bits != 0  # back where it started: unchanged after all
+        return _Sparse(a.mode, r.positions[keep], r.bits[keep])
     if a.mode == b.mode == "set":
         return _union(a, b, lambda _, new: new)
     if a.mode == "set" and np.isin(b.positions, a.positions).all():
-        return _union(a, b, np.bitwise_xor)
-    if a.mode == "xor" and np.isin(a.positions, b.positions).all():
+        return _union(a, b, OPS[b.mode])
+    if b.mode == "set" and np.isin(a.positions, b.positions).all():
         return b
-    raise NotSquashable("a set and an XOR over different positions need the base to compose")
+    raise NotSquashable(f"{a.mode} then {b.mode} over different positions needs the base")
 
 
 def _compose_full(acc: TensorChange, c: TensorChange) -> TensorChange:
@@ -90,8 +94,7 @@ def squash(files: list[DeltaFile]) -> bytes:
     header, tensors = build_delta(encoded, version=last.version, base_version=first.base_version,
                                   base_commitment=first.base_commitment,
                                   base_state_digest=first.base_state_digest,
-                                  via=[s for f in files[:-1] for s in (*f.header.via, f.header.state_digest)]
-                                  + list(last.via))
+                                  via=_via(files))
     return save_delta(header, tensors)
 
 
@@ -103,4 +106,25 @@ def _encode(name: str, entry, acc) -> EncodedTensor:
     if isinstance(acc, TensorChange):
         return EncodedTensor(base.model_copy(update={"encoding": "full", "changed": entry.numel}),
                              {name: acc.bits.contiguous()})
-    return sparse_entry(base, name, acc.positions, {acc.mode: lambda _: acc.bits}, int(acc.positions.size))
+    return sparse_entry(base, name, acc.positions, acc.mode, acc.bits, int(acc.positions.size))
+
+
+def _via(files: list[DeltaFile]) -> list[str]:
+    return [s for f in files[:-1] for s in (*f.header.via, f.header.state_digest)] + list(files[-1].header.via)
+
+
+def squash_onto(base: dict, files: list[DeltaFile]) -> bytes:
+    """One delta from ``base`` (the state the first file applies to) to the last file's state."""
+    from .apply import apply_delta
+    from .codec import encode_tensor
+
+    first, last = files[0].header, files[-1].header
+    touched = {c for f in files for c, e in f.header.tensors.items() if e.encoding != "same"}
+    state = {n: (t.clone() if n in touched else t) for n, t in base.items()}
+    for f in files:
+        apply_delta(f, state)
+    encoded = {n: encode_tensor(n, base[n], state[n], digest=last.tensors[n].digest) for n in sorted(state)}
+    header, tensors = build_delta(encoded, version=last.version, base_version=first.base_version,
+                                  base_commitment=first.base_commitment,
+                                  base_state_digest=first.base_state_digest, via=_via(files))
+    return save_delta(header, tensors)
