@@ -105,6 +105,9 @@ class RolloutEngine:
             # vLLM's kernel-override scan trips over llvmlite's lazy C symbol table in a forked
             # engine process; a spawned one starts clean.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if getattr(self.args, "tensor_parallel_size", 1) > 1 or getattr(self.args, "pipeline_parallel_size", 1) > 1:
+            # Maps are per rank, but live digests and staged verification read whole tensors.
+            raise SystemExit("rollout_space supports tensor/pipeline parallel size 1 for now")
         self.args.worker_extension_cls = EXTENSION
         engine_args = AsyncEngineArgs.from_cli_args(self.args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)

@@ -148,3 +148,20 @@ def test_policy_fields_single_and_mixed():
     assert mixed["policy_version"] is None and mixed["policy_versions"] == [4, 5]
     assert mixed["policy_version_spans"] == [[{"version": 4, "start": 0, "end": 5},
                                               {"version": 5, "start": 5, "end": 8}]]
+
+
+def test_failure_in_the_middle_of_a_commit_is_rolled_back(loaded):
+    ckpt, model, emap, weights = loaded
+    c0 = genesis_commitment(state_digest(ckpt))
+    weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
+    staged = weights.stage(_delta(ckpt, _changed(ckpt), c0))
+    assert len(staged.patches) > 3
+
+    def boom() -> None:
+        raise RuntimeError("write failed")
+
+    staged.patches[3].apply = boom  # the first three are written, then the fourth fails
+    with pytest.raises(RuntimeError):
+        weights.commit(staged)
+    assert weights.live_state_digest() == state_digest(ckpt)
+    assert weights.held.version == 0 and weights.held.commitment == c0
