@@ -5,7 +5,7 @@ An update is split so that generation stops only for the write:
 * **stage** (while serving): parse and verify the delta (header checksum, base commitment and
   version, every blob's blake3), check that every tensor the delta leaves unchanged has the digest
   this replica holds, map changed positions to engine parameters, gather the live bits there,
-  compute the new bits (``old ^ xor`` or the new values), and by default predict every touched
+  compute the new bits with the codec's rule (``old ^ xor``, ``old + diff``, new values), and by default predict every touched
   tensor's digest after the write (one tensor-sized scratch copy at a time). Any failure here is
   a refusal and no weight has changed.
 * **commit** (paused): one ``index_copy_`` per (tensor, parameter) pair. Retrying is idempotent;
@@ -165,7 +165,8 @@ class LiveWeights:
                 new_ck = (full if pl.select is None else full[pl.select]).to(dev)
             else:
                 bits = (change.bits if pl.select is None else change.bits[pl.select]).to(dev)
-                new_ck = old_ck ^ bits if change.mode == "xor" else bits
+                # the codec's own rule (xor, add, set, ...) for this parameter's share
+                new_ck = TensorChange(change.name, change.mode, None, bits).new_bits(old_ck)
             new = new_ck if same else new_ck.view(ck_dtype).to(flat.dtype)
             positions = change.positions
             if pl.select is not None:

@@ -19,7 +19,7 @@ from shared.errors import DeltaError
 
 BF16 = torch.bfloat16
 CKPT = {"embed.weight": (10, 4), "q.weight": (4, 4), "k.weight": (2, 4), "v.weight": (2, 4),
-        "o.weight": (3, 5), "norm.weight": (4,), "lm_head.weight": (10, 4)}
+        "o.weight": (48, 40), "norm.weight": (4,), "lm_head.weight": (10, 4)}
 
 
 class FusedModel(torch.nn.Module):
@@ -27,7 +27,7 @@ class FusedModel(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Parameter(torch.zeros(16, 4, dtype=BF16), requires_grad=False)
         self.qkv = torch.nn.Parameter(torch.zeros(8, 4, dtype=BF16), requires_grad=False)
-        self.o_t = torch.nn.Parameter(torch.zeros(5, 3, dtype=BF16), requires_grad=False)
+        self.o_t = torch.nn.Parameter(torch.zeros(40, 48, dtype=BF16), requires_grad=False)
         self.norm = torch.nn.Parameter(torch.zeros(4, dtype=BF16), requires_grad=False)
         self.lm_head = self.embed  # tied: the same parameter
 
@@ -73,7 +73,7 @@ def test_probe_finds_fused_padded_tied_and_transposed_layouts(loaded):
     t = emap.tensors
     assert (t["k.weight"].param, t["k.weight"].param_start, t["k.weight"].length) == ([names.index("qkv")], [16], [8])
     assert (t["v.weight"].param_start, t["embed.weight"].param_start) == ([24], [0])
-    assert len(t["o.weight"].hf_start) == 15  # transposed: every element its own run
+    assert len(t["o.weight"].hf_start) == 48 * 40  # transposed: every element its own run
     for name in emap.tensors:  # reading back gives the checkpoint, bit for bit
         assert torch.equal(weights.live.read(name).view(torch.int16), ckpt[name].view(torch.int16))
     assert weights.held.state_digest == state_digest(ckpt)
@@ -135,8 +135,8 @@ def test_refusals_leave_weights_untouched(loaded):
     assert e.value.reason == "out_of_order"
     other = {n: t.clone() for n, t in ckpt.items()}  # right commitment, wrong bits underneath
     other["o.weight"].view(-1).view(torch.int16)[:5] ^= 1
-    with pytest.raises(DeltaError) as e:
-        weights.stage(_delta(other, _changed(other), c0))
+    with pytest.raises(DeltaError) as e:  # sparse enough that most of the five stay unchanged
+        weights.stage(_delta(other, _changed(other, fraction=0.02), c0))
     assert e.value.reason in ("digest_mismatch", "wrong_base")
     assert weights.live_state_digest() == before and weights.held.version == 0
 
