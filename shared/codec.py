@@ -5,7 +5,7 @@ also a loadable checkpoint) or a *delta*. In a delta each changed tensor ``name`
 ``U8`` blobs:
 
 * ``name::pos``: the changed flat C-order positions as gaps (``pos[i] - pos[i-1] - 1``, the
-  first from -1): entropy-coded, or little-endian ``gap_bytes`` wide in byte planes under zstd.
+  first from -1): a Rice code, or little-endian ``gap_bytes`` wide in byte planes under zstd.
   Absent when ``positions == "all"`` (every element is sent).
 * ``name::val``: what changed at those positions, in the kind that is smallest for this tensor
   (``encoding``): the XOR of old and new bits (``"xor"``), the wrapping integer difference of the
@@ -18,8 +18,8 @@ coding fitted to the blob, see :mod:`shared.entropy`).
 Tensors of other dtypes that changed are stored whole under their own name (``"full"``).
 The safetensors metadata key ``deltasync`` holds a JSON :class:`Header` (checksummed by
 ``deltasync_blake3``): versions, base and target commitments, state digest and, for every tensor,
-its dtype, shape, digest, change count, encoding and blob digests, so damage anywhere in the
-file is found before any weight changes.
+its dtype, shape, digest, change count, encoding and coders; ``payload_blake3`` covers every
+blob, so damage anywhere in the file is found before any weight changes.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import zstandard
 from pydantic import BaseModel, ValidationError
 
 from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, unsigned_view
-from .entropy import decode_ints, encode_ints
+from .entropy import decode_ints, encode_ints, rice_decode, rice_encode
 from .kernels import gaps_to_positions, join_planes, max_gap, positions_to_gaps, split_planes
 from .digest import (
     TORCH_DTYPES,
@@ -69,8 +69,7 @@ class TensorEntry(BaseModel):
     encoding: Encoding = "same"
     positions: Literal["gaps", "all"] | None = None
     gap_bytes: int = 0
-    blobs: dict[str, str] = {}  # blob suffix -> blake3 of its bytes
-    coders: dict[str, Literal["zstd", "ans"]] = {}  # blob suffix -> how it is compressed
+    coders: dict[str, Literal["zstd", "ans", "rice"]] = {}  # blob suffix -> how it is compressed
 
     @property
     def numel(self) -> int:
@@ -90,6 +89,7 @@ class Header(BaseModel):
     # State digests of the versions a squashed delta skips over, oldest first: the commitment
     # chains through them, so it stays verifiable from the header alone.
     via: list[str] = []
+    payload_blake3: str = ""  # over every blob, so damage is found before any weight changes
     tensors: dict[str, TensorEntry]
 
     @property
@@ -139,20 +139,19 @@ def _decompress(blob, size: int) -> bytes:
 
 
 def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
-    """Gaps between positions, as zstd'd byte planes or entropy-coded, whichever is smaller."""
+    """Gaps between positions as a Rice code (near the entropy when changes are spread out) or
+    zstd'd byte planes (better when they cluster), whichever is smaller."""
     nbytes = max(1, (int(max_gap(positions)).bit_length() + 7) // 8)
     planes = np.empty(positions.shape[0] * nbytes, dtype=np.uint8)
     positions_to_gaps(positions, nbytes, planes)
     zstd_blob = _compress(planes)
-    if positions.shape[0] < 32:  # the entropy coder's table would cost more than it saves
-        return zstd_blob, nbytes, "zstd"
-    ans_blob = encode_ints(np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1))
-    return (ans_blob, 0, "ans") if len(ans_blob) < len(zstd_blob) else (zstd_blob, nbytes, "zstd")
+    rice_blob = rice_encode(np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1))
+    return (rice_blob, 0, "rice") if len(rice_blob) < len(zstd_blob) else (zstd_blob, nbytes, "zstd")
 
 
 def decode_positions(blob, count: int, gap_bytes: int, numel: int, coder: str = "zstd") -> np.ndarray:
-    if coder == "ans":
-        positions = np.cumsum(decode_ints(blob, count).astype(np.int64) + 1) - 1
+    if coder == "rice":
+        positions = np.cumsum(rice_decode(blob, count).astype(np.int64) + 1) - 1
     else:
         if not 1 <= gap_bytes <= 8:
             raise DeltaError("corrupt", f"gap width {gap_bytes} bytes")
@@ -249,7 +248,6 @@ def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | Non
     else:
         blobs[POS], entry.gap_bytes, coders[POS] = encode_positions(positions)
         entry.positions = "gaps"
-    entry.blobs = {k: blake3.blake3(v).hexdigest() for k, v in blobs.items()}
     entry.coders = coders
     return EncodedTensor(entry, {name + k: _u8(v) for k, v in blobs.items()})
 
@@ -300,7 +298,7 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
 
 
 def _metadata(header: Header) -> dict[str, str]:
-    text = header.model_dump_json()
+    text = header.model_dump_json(exclude_defaults=True)
     return {"format": FORMAT, "deltasync": text, "deltasync_blake3": blake3.blake3(text.encode()).hexdigest()}
 
 
@@ -314,7 +312,17 @@ def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_vers
                     commitment=chain_commitment(base_commitment, [*via, sd]),
                     state_digest=sd, tensors=dict(sorted(entries.items())))
     tensors = {k: v for e in encoded.values() for k, v in e.blobs.items()}
+    header.payload_blake3 = payload_digest(tensors)
     return header, tensors
+
+
+def payload_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """blake3 over the blobs (``name::...``) in name order: name, NUL, bytes, for each."""
+    h = blake3.blake3()
+    for name in sorted(k for k in tensors if "::" in k):
+        h.update(name.encode() + b"\0")
+        h.update(tensors[name].numpy())
+    return h.hexdigest()
 
 
 def save_delta(header: Header, tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -437,6 +445,7 @@ class DeltaFile:
         self._tensors = tensors
         self._path = path
         self.size = size
+        self._verified = False
 
     @classmethod
     def from_bytes(cls, data: bytes) -> DeltaFile:
@@ -466,11 +475,19 @@ class DeltaFile:
         except Exception as e:
             raise DeltaError("corrupt", f"object {key!r} unreadable: {e}") from None
 
-    def _blob(self, name: str, suffix: str, entry: TensorEntry) -> np.ndarray:
-        data = self.tensor(name + suffix).numpy()
-        if blake3.blake3(data).hexdigest() != entry.blobs.get(suffix):
-            raise DeltaError("corrupt", f"{name}{suffix}: blob digest mismatch")
-        return data
+    def _blob(self, name: str, suffix: str) -> np.ndarray:
+        if not self._verified:
+            blobs = {k: self.tensor(k) for k in self._keys() if "::" in k}
+            if payload_digest(blobs) != self.header.payload_blake3:
+                raise DeltaError("corrupt", "blob bytes do not match the header's payload digest")
+            self._verified = True
+        return self.tensor(name + suffix).numpy()
+
+    def _keys(self) -> list[str]:
+        if self._tensors is not None:
+            return list(self._tensors)
+        with safetensors.safe_open(str(self._path), framework="pt") as f:
+            return list(f.keys())
 
     def change(self, name: str) -> TensorChange | None:
         e = self.header.tensors[name]
@@ -486,10 +503,10 @@ class DeltaFile:
             count, positions = e.numel, None
         else:
             count = e.changed
-            pos = decode_positions(self._blob(name, POS, e), count, e.gap_bytes, e.numel,
+            pos = decode_positions(self._blob(name, POS), count, e.gap_bytes, e.numel,
                                    e.coders.get(POS, "zstd"))
             positions = torch.from_numpy(pos)
-        vals = decode_value_bits(e.encoding, self._blob(name, VAL, e), count, UNSIGNED_NP[iv],
+        vals = decode_value_bits(e.encoding, self._blob(name, VAL), count, UNSIGNED_NP[iv],
                                  e.coders.get(VAL, "zstd"))
         return TensorChange(name, e.encoding, positions, torch.from_numpy(vals.view(SIGNED_NP[iv])))
 

@@ -100,7 +100,7 @@ def squash(files: list[DeltaFile]) -> bytes:
 
 def _encode(name: str, entry, acc) -> EncodedTensor:
     base = entry.model_copy(update={"encoding": "same", "changed": 0, "positions": None,
-                                    "gap_bytes": 0, "blobs": {}})
+                                    "gap_bytes": 0, "coders": {}})
     if acc is None or (isinstance(acc, _Sparse) and acc.positions.size == 0):
         return EncodedTensor(base, {})
     if isinstance(acc, TensorChange):
