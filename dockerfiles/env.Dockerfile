@@ -12,7 +12,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY env_space ./env_space
-RUN pip install ".[env]"
+# The env extra of pyproject.toml, without the base dependencies (torch, numba) it never imports.
+RUN pip install --no-deps . && \
+    pip install "openenv-core==0.3.0" "english-words==2.0.2" "wordfreq==3.1.1" "gradio>=6" \
+        fastapi uvicorn httpx pydantic
 
 # Spaces run containers as uid 1000; the server writes nothing outside /tmp.
 RUN useradd --create-home --uid 1000 user
