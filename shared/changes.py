@@ -71,23 +71,29 @@ def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: in
     return k, pos[:min(k, cap)].copy(), xor[:min(k, cap)].copy()
 
 
-_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[str, ThreadPoolExecutor] = {}
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="deltasync-scan")
-    return _POOL
+def _pool(kind: str) -> ThreadPoolExecutor:
+    if kind not in _POOLS:
+        _POOLS[kind] = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix=f"deltasync-{kind}")
+    return _POOLS[kind]
+
+
+def tensor_pool() -> ThreadPoolExecutor:
+    """Threads for work across tensors; chunks of one tensor use a pool of their own, so a
+    tensor task never waits on a queue that it is itself blocking."""
+    return _pool("tensors")
 
 
 def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
-                 max_fraction: float = 1 / 16) -> Changes | None:
+                 max_fraction: float = 1 / 16, threads: bool = True) -> Changes | None:
     """Positions and XOR of the elements whose bits differ.
 
     Returns None when more than ``max_fraction`` of elements changed: the caller then sends
     the tensor densely, which is smaller anyway. With ``update=True`` the old snapshot is
     refreshed in place (only when the result is not None, so a None never half-updates).
+    ``threads=False`` scans in the calling thread (for callers that parallelise across tensors).
     """
     if old.shape != new.shape or old.dtype != new.dtype:
         raise ValueError(f"shape/dtype mismatch: {old.shape}/{old.dtype} vs {new.shape}/{new.dtype}")
@@ -97,7 +103,8 @@ def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
     numel = o.shape[0]
     chunks = [(s, min(s + CHUNK_ELEMENTS, numel)) for s in range(0, numel, CHUNK_ELEMENTS)]
     cap_of = lambda s, e: int((e - s) * max_fraction) + 1  # noqa: E731
-    results = list(_pool().map(lambda c: _scan_chunk(o, n, c[0], c[1], cap_of(*c)), chunks))
+    scan = lambda c: _scan_chunk(o, n, c[0], c[1], cap_of(*c))  # noqa: E731
+    results = list(_pool("chunks").map(scan, chunks) if threads and len(chunks) > 1 else map(scan, chunks))
     if any(k > cap_of(*c) for (k, _, _), c in zip(results, chunks)):
         return None
     if update:

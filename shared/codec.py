@@ -39,7 +39,7 @@ import torch
 import zstandard
 from pydantic import BaseModel, ValidationError
 
-from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, unsigned_view
+from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, tensor_pool, unsigned_view
 from .entropy import decode_ints, encode_ints, rice_decode, rice_encode
 from .kernels import gaps_to_positions, join_planes, max_gap, positions_to_gaps, split_planes
 from .digest import (
@@ -234,7 +234,7 @@ def _u8(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
 
 
-SAMPLE = 16384  # changes compressed per value kind to choose between them
+SAMPLE = 4096  # changes compressed per value kind to choose between them
 
 
 def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None, mode: str,
@@ -262,7 +262,7 @@ def choose_mode(xor: np.ndarray, new: Callable[[int | None], np.ndarray]) -> str
 
 
 def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
-                  digest: str | None = None) -> EncodedTensor:
+                  digest: str | None = None, threads: bool = True) -> EncodedTensor:
     """Encode how ``new`` differs from ``old`` (refreshing ``old`` in place if ``update``)."""
     if old.shape != new.shape or old.dtype != new.dtype:
         raise DeltaError("shape_mismatch", f"{name}: {tuple(old.shape)}/{old.dtype} -> "
@@ -280,7 +280,7 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
             old.copy_(new)
         entry = entry.model_copy(update={"encoding": "full", "changed": changed})
         return EncodedTensor(entry, {name: new.clone()})
-    changes = find_changes(old, new, update=update)
+    changes = find_changes(old, new, update=update, threads=threads)
     o, n = unsigned_view(old), unsigned_view(new)
     if changes is None:  # dense change: send every element
         xor = o ^ n
@@ -295,6 +295,23 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
     mode = choose_mode(xor, lambda k: n[pos[:k]])
     bits = value_bits(mode, xor, n[pos] if mode != "xor" else xor)
     return sparse_entry(entry, name, pos, mode, bits, changes.count)
+
+
+def encode_state(base: Mapping[str, torch.Tensor],
+                 new: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor], *,
+                 update: bool = False, digests: Mapping[str, str] | None = None
+                 ) -> dict[str, EncodedTensor]:
+    """Encode every tensor of ``base``, several at a time (the kernels and compressors release
+    the GIL). ``new`` may be a function of the name, so that e.g. a bf16 cast of fp32 master
+    weights exists for one tensor at a time rather than for the whole model."""
+    names = sorted(base)
+    get = new if callable(new) else new.__getitem__
+
+    def one(n: str) -> EncodedTensor:
+        return encode_tensor(n, base[n], get(n), update=update, threads=False,
+                             digest=digests[n] if digests else None)
+
+    return dict(zip(names, tensor_pool().map(one, names)))
 
 
 def _metadata(header: Header) -> dict[str, str]:
@@ -336,7 +353,7 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     if set(base) != set(new):
         raise DeltaError("shape_mismatch", f"tensor names differ: {sorted(set(base) ^ set(new))[:5]}")
     base_state_digest = base_state_digest or state_digest(base)
-    encoded = {n: encode_tensor(n, base[n], new[n], update=update_base) for n in sorted(new)}
+    encoded = encode_state(base, new, update=update_base)
     header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                   base_commitment=base_commitment, base_state_digest=base_state_digest)
     return save_delta(header, tensors)

@@ -22,7 +22,7 @@ import torch
 
 from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_for
 from .checkpoint import module_state
-from .codec import Header, anchor_header, build_delta, encode_tensor, save_anchor, save_delta
+from .codec import Header, anchor_header, build_delta, encode_state, save_anchor, save_delta
 from .digest import tensor_digest
 from .stores import Store, open_store
 
@@ -105,13 +105,9 @@ class DeltaPublisher:
         t0 = time.perf_counter()
         version = self.version + 1
         live = self._live()
-        encoded = {}
         with torch.no_grad():
-            for name, snap in self._snapshot.items():
-                new = self._cast(live[name])
-                enc = encode_tensor(name, snap, new, update=True)
-                self._digests[name] = enc.entry.digest
-                encoded[name] = enc
+            encoded = encode_state(self._snapshot, lambda n: self._cast(live[n]), update=True)
+        self._digests.update({n: e.entry.digest for n, e in encoded.items()})
         header, tensors = build_delta(encoded, version=version, base_version=self.version,
                                       base_commitment=self.commitment,
                                       base_state_digest=self.state_digest)
