@@ -21,7 +21,6 @@ from .changes import INT_VIEW
 from .codec import DeltaFile, Header, TensorChange
 from .digest import TORCH_DTYPES, tensor_digest
 from .errors import DeltaError
-from .kernels import add_scatter, xor_scatter
 
 
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -52,6 +51,8 @@ class InPlacePatch:
         self.applied = False
 
     def _run(self, sign: int) -> None:
+        from .kernels import add_scatter, xor_scatter
+
         t, p, b = self.target.numpy(), self.positions.numpy(), self.bits.numpy()
         if self.mode == "xor":
             xor_scatter(t, p, b)

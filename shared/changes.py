@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kernels import scan_changes
 
 # Integer views for the float dtypes whose bits we diff; other dtypes are sent whole.
 INT_VIEW: dict[torch.dtype, torch.dtype] = {
@@ -65,6 +64,8 @@ def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: in
     o, n = old[start:stop], new[start:stop]
     lanes = 8 // o.itemsize
     words = (stop - start) // lanes
+    from .kernels import scan_changes
+
     pos, xor = _scratch(cap, o.dtype)
     k = scan_changes(o[: words * lanes].view(np.uint64), n[: words * lanes].view(np.uint64), o, n,
                      lanes, pos, xor, start)

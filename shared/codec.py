@@ -36,12 +36,18 @@ import numpy as np
 import safetensors
 import safetensors.torch
 import torch
-import zstandard
 from pydantic import BaseModel, ValidationError
 
 from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, tensor_pool, unsigned_view
-from .entropy import decode_ints, encode_ints, rice_decode, rice_encode
-from .kernels import gaps_to_positions, join_planes, max_gap, positions_to_gaps, split_planes
+from .entropy import (
+    decode_ints,
+    encode_ints,
+    estimate_ints,
+    rice_decode,
+    rice_encode,
+    zstd_compress,
+    zstd_decompress,
+)
 from .digest import (
     TORCH_DTYPES,
     commitment,
@@ -55,7 +61,6 @@ from .errors import DeltaError
 
 FORMAT = "deltasync"
 FORMAT_VERSION = 1
-ZSTD_LEVEL = 3
 POS, VAL = "::pos", "::val"
 
 Encoding = Literal["same", "xor", "add", "set", "full"]
@@ -118,44 +123,36 @@ def chain_commitment(base_commitment: str, state_digests: list[str]) -> str:
 def _to_planes(a: np.ndarray) -> np.ndarray:
     """Every element's bytes grouped plane by plane (low bytes first): similar bytes sit together,
     which is what makes small XORs and small gaps compress well."""
+    from .kernels import split_planes
+
     raw = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).view(np.uint8)
     out = np.empty(raw.shape[0], dtype=np.uint8)
     split_planes(raw, a.itemsize, out)
     return out
 
 
-def _compress(data: bytes) -> bytes:
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
-
-
-def _decompress(blob, size: int) -> bytes:
-    try:
-        out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=size)
-    except zstandard.ZstdError as e:
-        raise DeltaError("corrupt", f"zstd: {e}") from None
-    if len(out) != size:
-        raise DeltaError("corrupt", f"decompressed {len(out)} bytes, expected {size}")
-    return out
-
-
 def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
     """Gaps between positions as a Rice code (near the entropy when changes are spread out) or
     zstd'd byte planes (better when they cluster), whichever is smaller."""
+    from .kernels import max_gap, positions_to_gaps
+
     nbytes = max(1, (int(max_gap(positions)).bit_length() + 7) // 8)
     planes = np.empty(positions.shape[0] * nbytes, dtype=np.uint8)
     positions_to_gaps(positions, nbytes, planes)
-    zstd_blob = _compress(planes)
+    zstd_blob = zstd_compress(planes)
     rice_blob = rice_encode(np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1))
     return (rice_blob, 0, "rice") if len(rice_blob) < len(zstd_blob) else (zstd_blob, nbytes, "zstd")
 
 
 def decode_positions(blob, count: int, gap_bytes: int, numel: int, coder: str = "zstd") -> np.ndarray:
+    from .kernels import gaps_to_positions
+
     if coder == "rice":
         positions = np.cumsum(rice_decode(blob, count).astype(np.int64) + 1) - 1
     else:
         if not 1 <= gap_bytes <= 8:
             raise DeltaError("corrupt", f"gap width {gap_bytes} bytes")
-        planes = np.frombuffer(_decompress(blob, count * gap_bytes), dtype=np.uint8)
+        planes = np.frombuffer(zstd_decompress(blob, count * gap_bytes), dtype=np.uint8)
         positions = np.empty(count, dtype=np.int64)
         gaps_to_positions(planes, count, gap_bytes, positions)
     if count and (positions[-1] >= numel or positions[0] < 0 or
@@ -165,12 +162,14 @@ def decode_positions(blob, count: int, gap_bytes: int, numel: int, coder: str = 
 
 
 def encode_values(bits: np.ndarray) -> bytes:
-    return _compress(_to_planes(bits))
+    return zstd_compress(_to_planes(bits))
 
 
 def decode_values(blob, count: int, dtype) -> np.ndarray:
+    from .kernels import join_planes
+
     dtype = np.dtype(dtype)
-    planes = np.frombuffer(_decompress(blob, count * dtype.itemsize), dtype=np.uint8)
+    planes = np.frombuffer(zstd_decompress(blob, count * dtype.itemsize), dtype=np.uint8)
     out = np.empty(count * dtype.itemsize, dtype=np.uint8)
     join_planes(planes, dtype.itemsize, out)
     return out.view(dtype.newbyteorder("<")).astype(dtype, copy=False)
@@ -257,7 +256,8 @@ def choose_mode(xor: np.ndarray, new: Callable[[int | None], np.ndarray]) -> str
     the first k changes, or all of them for None)."""
     k = min(SAMPLE, xor.shape[0])
     sx, sn = xor[:k], new(k)
-    sizes = {m: len(encode_value_bits(m, value_bits(m, sx, sn))) for m in VALUE_CODERS}
+    sizes = {"xor": estimate_ints(sx), "add": estimate_ints(zigzag(value_bits("add", sx, sn))),
+             "set": len(encode_values(sn))}
     return min(sizes, key=sizes.get)
 
 

@@ -1,6 +1,8 @@
 """Numba kernels for the hot loops: one pass each, GIL released so callers can use threads.
 
-Kept tiny and free of policy: they see flat integer arrays only.
+Kept tiny and free of policy: they see flat integer arrays only. Import this module lazily
+(inside functions): importing numba before a vLLM engine starts in the same process breaks
+vLLM's kernel discovery, and ``shared`` is imported by the rollout server.
 """
 
 from __future__ import annotations
@@ -100,3 +102,161 @@ def add_scatter(target, positions, bits, sign):  # pragma: no cover
     """``target[positions] += sign * bits``, wrapping like the integers of the bit patterns."""
     for i in range(positions.shape[0]):
         target[positions[i]] += sign * bits[i]
+
+
+# --------------------------------------------------------------------------- entropy coding
+# (see shared/entropy.py)
+SMALL = 16
+RICE_ESCAPE = 40
+
+
+@numba.njit(cache=True, nogil=True)
+def symbolize(x, sym, nraw):  # pragma: no cover
+    total = 0
+    for i in range(x.shape[0]):
+        v = x[i]
+        if v < SMALL:
+            sym[i] = v
+            nraw[i] = 0
+        else:
+            b = 0
+            t = v
+            while t:
+                b += 1
+                t >>= 1
+            sym[i] = SMALL + 2 * (b - 5) + ((v >> (b - 2)) & 1)
+            nraw[i] = b - 2
+            total += b - 2
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def pack_bits(x, nraw, out):  # pragma: no cover
+    """Append each value's low ``nraw`` bits, least significant first, into ``out``."""
+    acc = np.uint64(0)
+    filled = 0
+    k = 0
+    for i in range(x.shape[0]):
+        n = nraw[i]
+        if n == 0:
+            continue
+        v = x[i] & ((np.uint64(1) << np.uint64(n)) - np.uint64(1))
+        acc |= v << np.uint64(filled)
+        spill = filled + n - 64  # bits of v that did not fit in the accumulator
+        filled += n
+        while filled >= 8:
+            out[k] = acc & np.uint64(0xFF)
+            k += 1
+            acc >>= np.uint64(8)
+            filled -= 8
+        if spill > 0:
+            acc |= (v >> np.uint64(n - spill)) << np.uint64(filled - spill)
+    if filled > 0:
+        out[k] = acc & np.uint64(0xFF)
+
+
+@numba.njit(cache=True, nogil=True)
+def unpack_bits(sym, raw, out):  # pragma: no cover
+    """Rebuild values; returns -1 if the raw bits run out (damaged input)."""
+    bit = 0
+    limit = raw.shape[0] * 8
+    for i in range(sym.shape[0]):
+        s = sym[i]
+        if s < SMALL:
+            out[i] = s
+            continue
+        n = (s - SMALL) // 2 + 3
+        if bit + n > limit:
+            return -1
+        v = np.uint64(0)
+        got = 0
+        while got < n:
+            byte = np.uint64(raw[bit >> 3]) >> np.uint64(bit & 7)
+            take = min(8 - (bit & 7), n - got)
+            v |= (byte & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
+            got += take
+            bit += take
+        out[i] = ((np.uint64(2) | np.uint64((s - SMALL) & 1)) << np.uint64(n)) | v
+    return bit
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def put_bits(out, n, acc, filled, bits, nbits):  # pragma: no cover
+    """Append ``nbits`` (<= 64) low bits of ``bits``; returns the writer's new state."""
+    if nbits == 0:
+        return n, acc, filled
+    acc |= bits << np.uint64(filled)
+    spill = filled + nbits - 64
+    filled += nbits
+    while filled >= 8:
+        out[n] = acc & np.uint64(0xFF)
+        n += 1
+        acc >>= np.uint64(8)
+        filled -= 8
+    if spill > 0:
+        acc |= (bits >> np.uint64(nbits - spill)) << np.uint64(filled - spill)
+    return n, acc, filled
+
+
+@numba.njit(cache=True, nogil=True)
+def rice_pack(x, k, out):  # pragma: no cover
+    n, acc, filled = 0, np.uint64(0), 0
+    mask = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
+    for i in range(x.shape[0]):
+        v = x[i]
+        q = v >> np.uint64(k)
+        if q >= RICE_ESCAPE:  # the escape run of ones, a zero, then all 64 bits
+            n, acc, filled = put_bits(out, n, acc, filled, np.uint64((1 << RICE_ESCAPE) - 1), RICE_ESCAPE + 1)
+            n, acc, filled = put_bits(out, n, acc, filled, v & np.uint64(0xFFFFFFFF), 32)
+            n, acc, filled = put_bits(out, n, acc, filled, v >> np.uint64(32), 32)
+        else:
+            n, acc, filled = put_bits(out, n, acc, filled, (np.uint64(1) << q) - np.uint64(1), int(q) + 1)
+            n, acc, filled = put_bits(out, n, acc, filled, v & mask, k)
+    if filled > 0:
+        out[n] = acc & np.uint64(0xFF)
+        n += 1
+    return n
+
+
+@numba.njit(cache=True, nogil=True)
+def read_bits(buf, bit, n):  # pragma: no cover
+    v = np.uint64(0)
+    got = 0
+    while got < n:
+        byte = np.uint64(buf[bit >> 3]) >> np.uint64(bit & 7)
+        take = min(8 - (bit & 7), n - got)
+        v |= (byte & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
+        got += take
+        bit += take
+    return v
+
+
+@numba.njit(cache=True, nogil=True)
+def rice_unpack(buf, k, count, out):  # pragma: no cover
+    """Returns the bits read, or -1 if the input runs out (damaged)."""
+    bit = 0
+    limit = buf.shape[0] * 8
+    for i in range(count):
+        q = 0
+        while True:
+            if bit >= limit:
+                return -1
+            if (buf[bit >> 3] >> (bit & 7)) & 1:
+                q += 1
+                bit += 1
+                if q > RICE_ESCAPE:
+                    return -1
+            else:
+                bit += 1
+                break
+        if q == RICE_ESCAPE:
+            if bit + 64 > limit:
+                return -1
+            out[i] = read_bits(buf, bit, 32) | (read_bits(buf, bit + 32, 32) << np.uint64(32))
+            bit += 64
+        else:
+            if bit + k > limit:
+                return -1
+            out[i] = (np.uint64(q) << np.uint64(k)) | read_bits(buf, bit, k)
+            bit += k
+    return bit
