@@ -66,7 +66,7 @@ def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: in
     words = (stop - start) // lanes
     from .kernels import scan_changes
 
-    pos, xor = _scratch(cap, o.dtype)
+    pos, xor = _scratch(cap + lanes, o.dtype)
     k = scan_changes(o[: words * lanes].view(np.uint64), n[: words * lanes].view(np.uint64), o, n,
                      lanes, pos, xor, start)
     return k, pos[:min(k, cap)].copy(), xor[:min(k, cap)].copy()
