@@ -252,7 +252,7 @@ class RolloutEngine:
             self.state.status = "ready"
         self.last_refused = target
         # Re-read the store next time: a refused object may be repaired or re-uploaded.
-        self.chain = type(self.chain)(self.chain.store)
+        self.chain.forget()
         metrics.REFUSED.labels(reason=refusal.reason).inc()
         log.warning("refused update to v%s: %s: %s (serving v%s)", refusal.version, refusal.reason,
                     refusal.message, self.state.version)

@@ -126,6 +126,13 @@ class Chain:
                 raise DeltaError("format", f"manifest v{version}: {e}") from None
         return self._manifests[version]
 
+    def forget(self, version: int | None = None) -> None:
+        """Drop cached manifests (one, or all), e.g. after a refused object was re-uploaded."""
+        if version is None:
+            self._manifests.clear()
+        else:
+            self._manifests.pop(version, None)
+
     def versions(self) -> list[int]:
         return sorted(int(Path(k).stem[1:]) for k in self.store.list("manifests") if k.endswith(".json"))
 
