@@ -14,8 +14,9 @@ demo: $(SETUP)  ## the main job on embedded defaults: local-folder bucket, tiny 
 test: $(SETUP)
 	$(PY) -m pytest -q
 
-bench: $(SETUP)
+bench: $(SETUP)  ## codec (bytes, encode, apply vs baselines), then the replica's pause inside vLLM
 	$(PY) -m bench.codec
+	$(PY) -m bench.apply_vllm
 
 clean:
 	rm -rf runs bench/results .pytest_cache
