@@ -12,12 +12,12 @@ also a loadable checkpoint) or a *delta*. In a delta each changed tensor ``name`
   bit patterns (``"add"``; a one-ulp step is +-1), both applied once onto the exact base, or the
   new bits (``"set"``, idempotent).
 
-Each blob is compressed by ``coders[suffix]``: zstd over byte planes, or ``"ans"`` (entropy
-coding fitted to the blob, see :mod:`shared.entropy`).
+Each blob's ``coders[suffix]`` says how it is compressed: ``"rice"`` (gaps), ``"ans"`` (rANS with
+a table fitted to the blob) or ``"zstd"`` over byte planes; see :mod:`shared.entropy`.
 
 Tensors of other dtypes that changed are stored whole under their own name (``"full"``).
 The safetensors metadata key ``deltasync`` holds a JSON :class:`Header` (checksummed by
-``deltasync_blake3``): versions, base and target commitments, state digest and, for every tensor,
+``deltasync_blake3``): versions, base and target commitments and state digests and, for every tensor,
 its dtype, shape, digest, change count, encoding and coders; ``payload_blake3`` covers every
 blob, so damage anywhere in the file is found before any weight changes.
 """
@@ -233,7 +233,7 @@ def _u8(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
 
 
-SAMPLE = 4096  # changes compressed per value kind to choose between them
+SAMPLE = 4096  # changes from which the size of each value kind is estimated
 
 
 def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None, mode: str,
@@ -251,9 +251,9 @@ def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | Non
     return EncodedTensor(entry, {name + k: _u8(v) for k, v in blobs.items()})
 
 
-def choose_mode(xor: np.ndarray, new: Callable[[int | None], np.ndarray]) -> str:
-    """The value kind that compresses smallest on the first changes (``new(k)``: new bits of
-    the first k changes, or all of them for None)."""
+def choose_mode(xor: np.ndarray, new: Callable[[int], np.ndarray]) -> str:
+    """The value kind estimated smallest on the first changes (``new(k)``: the new bits of the
+    first k changes, gathered only for the sample)."""
     k = min(SAMPLE, xor.shape[0])
     sx, sn = xor[:k], new(k)
     sizes = {"xor": estimate_ints(sx), "add": estimate_ints(zigzag(value_bits("add", sx, sn))),
@@ -293,7 +293,7 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
         return EncodedTensor(entry, {})
     pos, xor = changes.positions, changes.xor
     mode = choose_mode(xor, lambda k: n[pos[:k]])
-    bits = value_bits(mode, xor, n[pos] if mode != "xor" else xor)
+    bits = xor if mode == "xor" else value_bits(mode, xor, n[pos])
     return sparse_entry(entry, name, pos, mode, bits, changes.count)
 
 
