@@ -2,11 +2,12 @@
 
 Each value ``x`` becomes a symbol: ``x`` itself below 16, otherwise its bit length and the bit
 after the leading one (a two-significant-bit float), whose remaining low bits are stored raw.
-Symbols are coded with rANS (``constriction``) under a categorical model fitted to this very
-sequence and sent with it (a zstd-compressed count table), so skewed distributions such as
-"almost every change is one ulp" cost close to their entropy, which byte-oriented zstd is not.
+Symbols are coded with rANS (numba, :mod:`shared.kernels`) under frequencies fitted to this
+very sequence and sent with it (a zstd-compressed table of 12-bit frequencies), so skewed
+distributions such as "almost every change is one ulp" cost close to their entropy, which
+byte-oriented zstd is not.
 
-Blob: ``<III`` (table bytes, ANS words, raw bytes), the table, the ANS words, the raw bits.
+Blob: ``<III`` (table bytes, code bytes, raw bytes), the table, the rANS code, the raw bits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import struct
 import threading
 
-import constriction
 import numpy as np
 import zstandard
 
@@ -64,9 +64,14 @@ def estimate_ints(x: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum() * sym.shape[0] + total) / 8 + 12 + 3 * p.shape[0]
 
 
-def _model(counts: np.ndarray, used: np.ndarray):
-    probs = counts[used].astype(np.float64) / counts[used].sum()
-    return constriction.stream.model.Categorical(probs, perfect=False)
+def quantise(counts: np.ndarray, bits: int) -> np.ndarray:
+    """Frequencies summing to ``2**bits``, every used symbol at least 1 (for rANS)."""
+    total = 1 << bits
+    freq = np.where(counts > 0, np.maximum(1, np.round(counts * (total / counts.sum()))), 0).astype(np.int64)
+    freq[np.argmax(freq)] += total - freq.sum()  # the largest absorbs the rounding
+    if freq.min() < 0 or freq.max() > total:
+        raise ValueError("cannot quantise these counts")
+    return freq
 
 
 def encode_ints(x: np.ndarray) -> bytes:
@@ -76,18 +81,16 @@ def encode_ints(x: np.ndarray) -> bytes:
     sym, nraw, total = _symbols(x)
     raw = np.zeros((total + 7) // 8, dtype=np.uint8)
     kernels.pack_bits(x, nraw, raw)
-    counts = np.bincount(sym, minlength=ALPHABET).astype(np.uint32)
-    table = zstd_compress(counts.astype("<u4").tobytes())
-    words = np.empty(0, dtype=np.uint32)
-    used = np.flatnonzero(counts)
-    if used.shape[0] > 1:  # a single-symbol sequence needs no ANS bits at all
-        coder = constriction.stream.stack.AnsCoder()
-        lut = np.zeros(ALPHABET, dtype=np.int32)
-        lut[used] = np.arange(used.shape[0], dtype=np.int32)
-        coder.encode_reverse(lut[sym], _model(counts, used))
-        words = coder.get_compressed()
-    return b"".join([_HEAD.pack(len(table), words.shape[0], raw.shape[0]), table,
-                     words.astype("<u4").tobytes(), raw.tobytes()])
+    code = np.empty(0, dtype=np.uint8)
+    freq = np.zeros(ALPHABET, dtype=np.int64)
+    if x.shape[0]:
+        freq = quantise(np.bincount(sym, minlength=ALPHABET), kernels.PROB_BITS)
+        buf = np.empty(x.shape[0] * 4 + 16, dtype=np.uint8)  # worst case: 32 bits a symbol
+        start = kernels.rans_encode(sym, freq, np.cumsum(freq) - freq, buf)
+        code = buf[start:]
+    table = zstd_compress(freq.astype("<u2").tobytes())
+    return b"".join([_HEAD.pack(len(table), code.shape[0], raw.shape[0]), table, code.tobytes(),
+                     raw.tobytes()])
 
 
 def decode_ints(blob, count: int) -> np.ndarray:
@@ -95,30 +98,27 @@ def decode_ints(blob, count: int) -> np.ndarray:
 
     blob = memoryview(blob).cast("B")
     try:
-        n_table, n_words, n_raw = _HEAD.unpack_from(blob, 0)
+        n_table, n_code, n_raw = _HEAD.unpack_from(blob, 0)
         at = _HEAD.size
-        if at + n_table + 4 * n_words + n_raw != len(blob):
+        if at + n_table + n_code + n_raw != len(blob):
             raise ValueError("section sizes do not add up")
-        counts = np.frombuffer(zstd_decompress(blob[at:at + n_table], 4 * ALPHABET), dtype="<u4")
-        if counts.shape[0] != ALPHABET or int(counts.sum()) != count:
-            raise ValueError("symbol table does not match the count")
-        at += n_table
-        words = np.frombuffer(blob[at:at + 4 * n_words], dtype="<u4").astype(np.uint32)
-        raw = np.frombuffer(blob[at + 4 * n_words:], dtype=np.uint8)
+        freq = np.frombuffer(zstd_decompress(blob[at:at + n_table], 2 * ALPHABET), dtype="<u2").astype(np.int64)
         out = np.empty(count, dtype=np.uint64)
         if count == 0:
             return out
-        counts = counts.astype(np.int64)
-        used = np.flatnonzero(counts)
-        if used.shape[0] > 1:
-            dense = constriction.stream.stack.AnsCoder(words).decode(_model(counts, used), count)
-            sym = used[dense].astype(np.int32)
-        else:
-            sym = np.full(count, used[0], dtype=np.int32)
+        if freq.sum() != 1 << kernels.PROB_BITS:
+            raise ValueError("symbol table does not add up")
+        at += n_table
+        code = np.frombuffer(blob[at:at + n_code], dtype=np.uint8)
+        raw = np.frombuffer(blob[at + n_code:], dtype=np.uint8)
+        sym = np.empty(count, dtype=np.int32)
+        slot_symbol = np.repeat(np.arange(ALPHABET, dtype=np.int32), freq)
+        if kernels.rans_decode(code, freq, np.cumsum(freq) - freq, slot_symbol, count, sym) < 0:
+            raise ValueError("rANS code runs out")
         if kernels.unpack_bits(sym, raw, out) < 0:
             raise ValueError("raw bits run out")
         return out
-    except Exception as e:  # constriction, zstd and numpy each raise their own kinds
+    except (ValueError, struct.error) as e:
         raise DeltaError("corrupt", f"entropy-coded blob: {e}") from None
 
 

@@ -278,3 +278,54 @@ def rice_unpack(buf, k, count, out):  # pragma: no cover
             out[i] = (np.uint64(q) << np.uint64(k)) | read_bits(buf, bit, k)
             bit += k
     return bit
+
+
+# --------------------------------------------------------------------------- rANS
+# Byte-wise rANS with a 32-bit state (after Duda; the layout of ryg_rans), static frequencies
+# quantised to PROB_BITS. Encoding runs backwards so that decoding runs forwards.
+PROB_BITS = 12
+RANS_L = 1 << 23
+
+
+@numba.njit(cache=True, nogil=True)
+def rans_encode(sym, freq, cum, out):  # pragma: no cover
+    """Encode ``sym`` into the tail of ``out``; returns the start index of the code in ``out``."""
+    x = np.uint64(RANS_L)
+    ptr = out.shape[0]
+    for i in range(sym.shape[0] - 1, -1, -1):
+        s = sym[i]
+        f = np.uint64(freq[s])
+        x_max = np.uint64(((RANS_L >> PROB_BITS) << 8)) * f
+        while x >= x_max:
+            ptr -= 1
+            out[ptr] = x & np.uint64(0xFF)
+            x >>= np.uint64(8)
+        x = ((x // f) << np.uint64(PROB_BITS)) + (x % f) + np.uint64(cum[s])
+    for _ in range(4):
+        ptr -= 1
+        out[ptr] = x & np.uint64(0xFF)
+        x >>= np.uint64(8)
+    return ptr
+
+
+@numba.njit(cache=True, nogil=True)
+def rans_decode(code, freq, cum, slot_symbol, count, out):  # pragma: no cover
+    """Decode ``count`` symbols; returns the bytes read, or -1 if the code runs out."""
+    if code.shape[0] < 4:
+        return -1
+    x = np.uint64(0)
+    for j in range(4):
+        x = (x << np.uint64(8)) | np.uint64(code[j])
+    ptr = 4
+    mask = np.uint64((1 << PROB_BITS) - 1)
+    for i in range(count):
+        slot = x & mask
+        s = slot_symbol[slot]
+        out[i] = s
+        x = np.uint64(freq[s]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(cum[s])
+        while x < np.uint64(RANS_L):
+            if ptr >= code.shape[0]:
+                return -1
+            x = (x << np.uint64(8)) | np.uint64(code[ptr])
+            ptr += 1
+    return ptr
