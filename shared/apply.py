@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .changes import INT_VIEW
+from .changes import INT_VIEW, tensor_pool
 from .codec import DeltaFile, Header, TensorChange
 from .digest import TORCH_DTYPES, tensor_digest
 from .errors import DeltaError
@@ -36,12 +36,15 @@ class Patch:
     positions: torch.Tensor | None  # None: every element
     new: torch.Tensor
     old: torch.Tensor
+    applied: bool = False
 
     def apply(self) -> None:
         _write(self.target, self.positions, self.new)
+        self.applied = True
 
     def revert(self) -> None:
         _write(self.target, self.positions, self.old)
+        self.applied = False
 
 
 class InPlacePatch:
@@ -135,25 +138,32 @@ def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
     """
     check_target(delta.header, target)
     storages = [target[n].untyped_storage().data_ptr() for n in delta.header.tensors]
-    shared = len(set(storages)) != len(storages)
-    return [make_patch(c, flat_bits(target[c.name]), in_place=in_place and not shared)
-            for c in delta.changes()]
+    in_place = in_place and len(set(storages)) == len(storages)
+    names = [n for n, e in delta.header.tensors.items() if e.encoding != "same"]
+    delta.verify()  # once, before the threads decode
+
+    def one(name: str) -> Patch | InPlacePatch:
+        return make_patch(delta.change(name), flat_bits(target[name]), in_place=in_place)
+
+    return list(tensor_pool().map(one, names))
 
 
 def commit(patches: list[Patch | InPlacePatch], verify: Mapping[str, str] | None = None,
            target: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Write all patches; if a digest in ``verify`` (name -> digest) then fails, revert them all."""
-    done: list[Patch | InPlacePatch] = []
+    """Write all patches (several tensors at a time); if a digest in ``verify`` (name -> digest)
+    then fails, or anything else does, revert every write."""
     try:
-        for p in patches:
-            p.apply()
-            done.append(p)
-        for name, digest in (verify or {}).items():
-            if tensor_digest(target[name]) != digest:
+        for _ in tensor_pool().map(lambda p: p.apply(), patches):
+            pass
+        names = list(verify or {})
+        digests = tensor_pool().map(lambda n: tensor_digest(target[n]), names)
+        for name, digest in zip(names, digests):
+            if digest != verify[name]:
                 raise DeltaError("digest_mismatch", f"{name}: digest after apply does not match")
     except BaseException:
-        for p in reversed(done):
-            p.revert()
+        for p in reversed(patches):
+            if p.applied:
+                p.revert()
         raise
 
 

@@ -492,12 +492,16 @@ class DeltaFile:
         except Exception as e:
             raise DeltaError("corrupt", f"object {key!r} unreadable: {e}") from None
 
-    def _blob(self, name: str, suffix: str) -> np.ndarray:
+    def verify(self) -> None:
+        """Check every blob against the header's payload digest (once)."""
         if not self._verified:
             blobs = {k: self.tensor(k) for k in self._keys() if "::" in k}
             if payload_digest(blobs) != self.header.payload_blake3:
                 raise DeltaError("corrupt", "blob bytes do not match the header's payload digest")
             self._verified = True
+
+    def _blob(self, name: str, suffix: str) -> np.ndarray:
+        self.verify()
         return self.tensor(name + suffix).numpy()
 
     def _keys(self) -> list[str]:
