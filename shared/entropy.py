@@ -138,7 +138,7 @@ def rice_encode(x: np.ndarray) -> bytes:
     mean = float(x.mean()) if x.shape[0] else 0.0
     k0 = max(0, int(np.log2(max(mean * 0.69, 1.0))))
     sizes = {k: int(np.minimum(x >> np.uint64(k), kernels.RICE_ESCAPE).sum()) + x.shape[0] * (k + 1)
-             for k in range(max(0, k0 - 1), min(63, k0 + 2))}
+             for k in range(min(max(0, k0 - 1), 56), min(57, k0 + 2))}
     k = min(sizes, key=sizes.get)
     out = np.zeros(sizes[k] // 8 + 9 * int((x >> np.uint64(k) >= kernels.RICE_ESCAPE).sum()) + 2, dtype=np.uint8)
     n = kernels.rice_pack(x, k, out)
@@ -149,7 +149,7 @@ def rice_decode(blob, count: int) -> np.ndarray:
     from . import kernels
 
     buf = np.frombuffer(memoryview(blob).cast("B"), dtype=np.uint8)
-    if buf.shape[0] < 1 or buf[0] > 63:
+    if buf.shape[0] < 1 or buf[0] > 56:
         raise DeltaError("corrupt", "Rice parameter out of range")
     out = np.empty(count, dtype=np.uint64)
     if kernels.rice_unpack(buf[1:], int(buf[0]), count, out) < 0:

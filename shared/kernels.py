@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 
 @numba.njit(cache=True, nogil=True)
@@ -251,33 +252,51 @@ def read_bits(buf, bit, n):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True)
 def rice_unpack(buf, k, count, out):  # pragma: no cover
-    """Returns the bits read, or -1 if the input runs out (damaged)."""
-    bit = 0
-    limit = buf.shape[0] * 8
+    """Returns the bytes consumed, or -1 if the input runs out (damaged).
+
+    A 64-bit reservoir is refilled a byte at a time to hold at least 57 bits, so a unary run
+    (at most RICE_ESCAPE ones) and a remainder of up to 56 bits are always in it.
+    """
+    if k > 56:
+        return -1
+    acc = np.uint64(0)
+    avail = 0  # valid bits in acc, counting zero bits past the end of buf
+    pos = 0  # next byte of buf
+    mask = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
     for i in range(count):
-        q = 0
-        while True:
-            if bit >= limit:
-                return -1
-            if (buf[bit >> 3] >> (bit & 7)) & 1:
-                q += 1
-                bit += 1
-                if q > RICE_ESCAPE:
-                    return -1
-            else:
-                bit += 1
-                break
+        while avail <= 56:
+            if pos < buf.shape[0]:
+                acc |= np.uint64(buf[pos]) << np.uint64(avail)
+            pos += 1
+            avail += 8
+        q = np.int64(trailing_zeros(~acc)) if ~acc != np.uint64(0) else np.int64(64)
+        if q > RICE_ESCAPE:
+            return -1
+        acc >>= np.uint64(q + 1)
+        avail -= q + 1
         if q == RICE_ESCAPE:
-            if bit + 64 > limit:
-                return -1
-            out[i] = read_bits(buf, bit, 32) | (read_bits(buf, bit + 32, 32) << np.uint64(32))
-            bit += 64
+            v = np.uint64(0)
+            for half in range(2):
+                while avail <= 56:
+                    if pos < buf.shape[0]:
+                        acc |= np.uint64(buf[pos]) << np.uint64(avail)
+                    pos += 1
+                    avail += 8
+                v |= (acc & np.uint64(0xFFFFFFFF)) << np.uint64(32 * half)
+                acc >>= np.uint64(32)
+                avail -= 32
+            out[i] = v
         else:
-            if bit + k > limit:
-                return -1
-            out[i] = (np.uint64(q) << np.uint64(k)) | read_bits(buf, bit, k)
-            bit += k
-    return bit
+            while avail <= 56:
+                if pos < buf.shape[0]:
+                    acc |= np.uint64(buf[pos]) << np.uint64(avail)
+                pos += 1
+                avail += 8
+            out[i] = (np.uint64(q) << np.uint64(k)) | (acc & mask)
+            acc >>= np.uint64(k)
+            avail -= k
+    used = pos * 8 - avail  # bits actually consumed
+    return (used + 7) // 8 if used <= buf.shape[0] * 8 else -1
 
 
 # --------------------------------------------------------------------------- rANS

@@ -141,3 +141,18 @@ def test_find_changes_overflow_leaves_snapshot(dtype):
     ch = find_changes(old, new2, update=True)
     assert ch.positions.tolist() == [3, 999]
     assert torch.equal(old, new2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1)), max_size=400))
+def test_entropy_coders_roundtrip_and_refuse_truncation(values):
+    from shared.entropy import decode_ints, encode_ints, rice_decode, rice_encode
+    from shared.errors import DeltaError
+
+    x = np.array(values, dtype=np.uint64)
+    for enc, dec in ((encode_ints, decode_ints), (rice_encode, rice_decode)):
+        blob = enc(x)
+        assert np.array_equal(dec(blob, len(x)), x)
+        if len(x) and len(blob) > 16:
+            with pytest.raises(DeltaError):
+                dec(blob[: len(blob) // 2], len(x))
