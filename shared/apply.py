@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .changes import INT_VIEW, tensor_pool
+from .changes import INT_VIEW, map_balanced
 from .codec import DeltaFile, Header, TensorChange
 from .digest import TORCH_DTYPES, tensor_digest
 from .errors import DeltaError
@@ -145,7 +145,7 @@ def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
     def one(name: str) -> Patch | InPlacePatch:
         return make_patch(delta.change(name), flat_bits(target[name]), in_place=in_place)
 
-    return list(tensor_pool().map(one, names))
+    return map_balanced(one, names, [delta.header.tensors[n].changed for n in names])
 
 
 def commit(patches: list[Patch | InPlacePatch], verify: Mapping[str, str] | None = None,
@@ -153,10 +153,10 @@ def commit(patches: list[Patch | InPlacePatch], verify: Mapping[str, str] | None
     """Write all patches (several tensors at a time); if a digest in ``verify`` (name -> digest)
     then fails, or anything else does, revert every write."""
     try:
-        for _ in tensor_pool().map(lambda p: p.apply(), patches):
-            pass
+        map_balanced(lambda p: p.apply(), patches,
+                     [p.target.numel() if p.positions is None else p.positions.numel() for p in patches])
         names = list(verify or {})
-        digests = tensor_pool().map(lambda n: tensor_digest(target[n]), names)
+        digests = map_balanced(lambda n: tensor_digest(target[n]), names, [target[n].numel() for n in names])
         for name, digest in zip(names, digests):
             if digest != verify[name]:
                 raise DeltaError("digest_mismatch", f"{name}: digest after apply does not match")

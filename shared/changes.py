@@ -87,6 +87,27 @@ def tensor_pool() -> ThreadPoolExecutor:
     return _pool("tensors")
 
 
+def map_balanced(fn, items: list, weights: list[int]) -> list:
+    """``[fn(x) for x in items]`` on one batch per thread, batches balanced by weight: a task
+    per item costs more in hand-offs than many small items take to run."""
+    workers = tensor_pool()._max_workers
+    batches: list[list[int]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for i in sorted(range(len(items)), key=lambda i: -weights[i]):
+        b = load.index(min(load))
+        batches[b].append(i)
+        load[b] += weights[i] + 1
+    out: list = [None] * len(items)
+
+    def run(batch: list[int]) -> None:
+        for i in batch:
+            out[i] = fn(items[i])
+
+    for _ in tensor_pool().map(run, batches):
+        pass
+    return out
+
+
 def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
                  max_fraction: float = 1 / 16, threads: bool = True) -> Changes | None:
     """Positions and XOR of the elements whose bits differ.

@@ -38,7 +38,7 @@ import safetensors.torch
 import torch
 from pydantic import BaseModel, ValidationError
 
-from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, tensor_pool, unsigned_view
+from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, map_balanced, unsigned_view
 from .entropy import (
     decode_ints,
     encode_ints,
@@ -148,7 +148,7 @@ def decode_positions(blob, count: int, gap_bytes: int, numel: int, coder: str = 
     from .kernels import gaps_to_positions
 
     if coder == "rice":
-        positions = np.cumsum(rice_decode(blob, count).astype(np.int64) + 1) - 1
+        positions = rice_decode(blob, count, running=True)
     else:
         if not 1 <= gap_bytes <= 8:
             raise DeltaError("corrupt", f"gap width {gap_bytes} bytes")
@@ -182,8 +182,11 @@ def zigzag(d: np.ndarray) -> np.ndarray:
 
 
 def unzigzag(z: np.ndarray, dtype) -> np.ndarray:
-    s = (z >> np.uint64(1)).astype(np.int64) ^ -(z & np.uint64(1)).astype(np.int64)
-    return s.astype({2: np.int16, 4: np.int32}[np.dtype(dtype).itemsize]).view(dtype)
+    from . import kernels
+
+    out = np.empty(z.shape[0], dtype={2: np.int16, 4: np.int32}[np.dtype(dtype).itemsize])
+    kernels.unzigzag(z, out)
+    return out.view(dtype)
 
 
 # Value kinds: what is stored at each changed position, and how it is compressed.
@@ -311,7 +314,7 @@ def encode_state(base: Mapping[str, torch.Tensor],
         return encode_tensor(n, base[n], get(n), update=update, threads=False,
                              digest=digests[n] if digests else None)
 
-    return dict(zip(names, tensor_pool().map(one, names)))
+    return dict(zip(names, map_balanced(one, names, [base[n].numel() for n in names])))
 
 
 def _metadata(header: Header) -> dict[str, str]:

@@ -145,13 +145,14 @@ def rice_encode(x: np.ndarray) -> bytes:
     return bytes([k]) + out[:n].tobytes()
 
 
-def rice_decode(blob, count: int) -> np.ndarray:
+def rice_decode(blob, count: int, running: bool = False) -> np.ndarray:
+    """The values, or with ``running`` the int64 positions they are the gaps of."""
     from . import kernels
 
     buf = np.frombuffer(memoryview(blob).cast("B"), dtype=np.uint8)
     if buf.shape[0] < 1 or buf[0] > 56:
         raise DeltaError("corrupt", "Rice parameter out of range")
-    out = np.empty(count, dtype=np.uint64)
-    if kernels.rice_unpack(buf[1:], int(buf[0]), count, out) < 0:
+    out = np.empty(count, dtype=np.int64 if running else np.uint64)
+    if kernels.rice_unpack(buf[1:], int(buf[0]), count, out, running) < 0:
         raise DeltaError("corrupt", "Rice-coded blob ends early")
     return out

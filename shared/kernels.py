@@ -251,8 +251,10 @@ def read_bits(buf, bit, n):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def rice_unpack(buf, k, count, out):  # pragma: no cover
-    """Returns the bytes consumed, or -1 if the input runs out (damaged).
+def rice_unpack(buf, k, count, out, running):  # pragma: no cover
+    """Decode ``count`` values into ``out``, or with ``running`` the positions they are the gaps
+    of (``out[i] = out[i-1] + v + 1``, from -1). Returns the bytes consumed, or -1 if the input
+    runs out (damaged).
 
     A 64-bit reservoir is refilled a byte at a time to hold at least 57 bits, so a unary run
     (at most RICE_ESCAPE ones) and a remainder of up to 56 bits are always in it.
@@ -263,6 +265,7 @@ def rice_unpack(buf, k, count, out):  # pragma: no cover
     avail = 0  # valid bits in acc, counting zero bits past the end of buf
     pos = 0  # next byte of buf
     mask = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
+    prev = np.int64(-1)
     for i in range(count):
         while avail <= 56:
             if pos < buf.shape[0]:
@@ -285,16 +288,20 @@ def rice_unpack(buf, k, count, out):  # pragma: no cover
                 v |= (acc & np.uint64(0xFFFFFFFF)) << np.uint64(32 * half)
                 acc >>= np.uint64(32)
                 avail -= 32
-            out[i] = v
         else:
             while avail <= 56:
                 if pos < buf.shape[0]:
                     acc |= np.uint64(buf[pos]) << np.uint64(avail)
                 pos += 1
                 avail += 8
-            out[i] = (np.uint64(q) << np.uint64(k)) | (acc & mask)
+            v = (np.uint64(q) << np.uint64(k)) | (acc & mask)
             acc >>= np.uint64(k)
             avail -= k
+        if running:
+            prev = prev + np.int64(v) + 1
+            out[i] = prev
+        else:
+            out[i] = v
     used = pos * 8 - avail  # bits actually consumed
     return (used + 7) // 8 if used <= buf.shape[0] * 8 else -1
 
@@ -348,3 +355,11 @@ def rans_decode(code, freq, cum, slot_symbol, count, out):  # pragma: no cover
             x = (x << np.uint64(8)) | np.uint64(code[ptr])
             ptr += 1
     return ptr
+
+
+@numba.njit(cache=True, nogil=True)
+def unzigzag(z, out):  # pragma: no cover
+    """0, 1, 2, 3 -> 0, -1, 1, -2, stored with wrap-around into the (signed) ``out``."""
+    for i in range(z.shape[0]):
+        v = z[i]
+        out[i] = np.int64(v >> np.uint64(1)) ^ -np.int64(v & np.uint64(1))
