@@ -158,15 +158,20 @@ def run_case(case: Case) -> dict:
 
 def cases(quick: bool, large: bool) -> list[Case]:
     small = dict(hidden=512, layers=8, intermediate=1536)  # ~26M
-    out = [Case("real-26M-lr3e-7", "real", lr=3e-7, **small),  # ~1% change
-           Case("real-26M-lr1e-6", "real", lr=1e-6, **small),
-           Case("real-26M-lr3e-6", "real", lr=3e-6, **small)]
+    mid = dict(hidden=768, layers=12, intermediate=2048)  # ~79M
+    big = dict(hidden=1024, layers=16, intermediate=3072)  # ~202M
     if quick:
         return [Case("real-26M-lr3e-7", "real", lr=3e-7, steps=3, **small)]
-    out += [Case("adamw-26M-lr1e-6", "adamw", lr=1e-6, **small),
-            Case("adamw-26M-lr3e-6", "adamw", lr=3e-6, **small),
-            Case("real-79M-lr1e-6", "real", hidden=768, layers=12, intermediate=2048, lr=1e-6, steps=4),
-            Case("adamw-202M-lr1e-6", "adamw", hidden=1024, layers=16, intermediate=3072, lr=1e-6, steps=4)]
+    out = [Case("real-26M-lr3e-7", "real", lr=3e-7, **small),  # ~1% change
+           Case("real-26M-lr1e-6", "real", lr=1e-6, **small),
+           Case("real-26M-lr3e-6", "real", lr=3e-6, **small),
+           Case("real-79M-lr3e-7", "real", lr=3e-7, steps=4, **mid),  # ~1% change
+           Case("real-79M-lr1e-6", "real", lr=1e-6, steps=4, **mid),
+           Case("adamw-26M-lr1e-6", "adamw", lr=1e-6, **small),
+           Case("adamw-26M-lr3e-6", "adamw", lr=3e-6, **small),
+           Case("adamw-202M-lr5e-7", "adamw", lr=5e-7, steps=4, **big),  # ~1% change
+           Case("adamw-202M-lr1e-6", "adamw", lr=1e-6, steps=4, **big),
+           Case("adamw-202M-lr3e-6", "adamw", lr=3e-6, steps=4, **big)]
     if large:
         out.append(Case("adamw-805M-lr1e-6", "adamw", hidden=2048, layers=16, intermediate=6144,
                         lr=1e-6, steps=3))
