@@ -145,41 +145,24 @@ def make_delta(model_dir: Path, out: Path, fraction: float, seed: int) -> dict:
 def server_pauses(model_dir: Path, tmp: Path, versions: int, fraction: float) -> dict:
     """The same kind of delta through a real server (``python -m rollout_space``): the pause and
     the other steps each ``POST /update`` reports, one per published version."""
-    import socket
-    import subprocess
-    import sys
-
     import httpx
     import torch
 
     from shared.checkpoint import load_state
     from shared.publisher import DeltaPublisher
+    from trainer_space.replica_process import Replica
 
     state = load_state(model_dir)
     store = tmp / "bucket"
     pub = DeltaPublisher(state, str(store), external_base=str(model_dir))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp / "server.log", "wb")
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "rollout_space", "--model", str(model_dir), "--store",
-                             str(store), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-                             "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20),
-                             "--poll-s", "0", "--map-cache", str(tmp / "maps")],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
-                            env=os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    url = f"http://127.0.0.1:{port}"
+    server = Replica(model_dir, store, log_path=tmp / "server.log",
+                     extra=["--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes",
+                            str(256 << 20), "--poll-s", "0", "--map-cache", str(tmp / "maps")],
+                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    url = server.url
     try:
-        while True:
-            if proc.poll() is not None or time.perf_counter() - t0 > 600:
-                raise RuntimeError((tmp / "server.log").read_text()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        server.wait_ready(600)
         startup = time.perf_counter() - t0
         g = torch.Generator().manual_seed(1)
         steps = []
@@ -196,8 +179,7 @@ def server_pauses(model_dir: Path, tmp: Path, versions: int, fraction: float) ->
         digest = httpx.get(url + "/weights/digest", timeout=300).json()
         assert digest["state_digest"] == pub.state_digest, digest
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop()
         pub.close()
     keys = ("download_s", "stage_s", "drain_s", "pause_s", "commit_s", "audit_s")
     return {"startup_s": startup, "versions": versions, "steps": steps,

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [s[:24] for s in CORPUS[:4]]
 
     console.print(f"[bold]DeltaSync demo[/]: model {model_dir}, bucket {bucket}, {a.steps} steps, lr {a.lr}")
-    with Replica(model_dir, str(bucket), token=token, log_path=a.out / "rollout.log") as replica:
+    with Replica(model_dir, bucket, token=token, log_path=a.out / "rollout.log") as replica:
         # Version 0 is the base model itself: every replica already has it, nothing is uploaded.
         pub = DeltaPublisher(model, str(bucket), replicas=[replica.url], token=token,
                              external_base=str(model_dir))
