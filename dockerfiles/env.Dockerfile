@@ -9,12 +9,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     GRADIO_ANALYTICS_ENABLED=False
 
+# The Wordle dictionary: Debian's wamerican word list (/usr/share/dict/american-english).
+RUN apt-get update && apt-get install -y --no-install-recommends wamerican && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY env_space ./env_space
 # The env extra of pyproject.toml, without the base dependencies (torch, numba) it never imports.
 RUN pip install --no-deps . && \
-    pip install "openenv-core==0.3.0" "english-words==2.0.2" "wordfreq==3.1.1" "gradio>=6" \
+    pip install "openenv-core==0.3.0" "wordfreq==3.1.1" "gradio>=6" \
         fastapi uvicorn httpx pydantic
 
 # Spaces run containers as uid 1000; the server writes nothing outside /tmp.

