@@ -206,16 +206,11 @@ def main() -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
     if a.model:
         model_dir = Path(a.model)
-    else:  # build in a child process: this one must not load numba before the engine exists
-        import subprocess
-        import sys
+    else:
+        from shared.tiny_model import build_tiny_model
 
-        model_dir = tmp / "model"
-        subprocess.run([sys.executable, "-c", (
-            "import sys; from shared.tiny_model import build_tiny_model; "
-            f"build_tiny_model(sys.argv[1], hidden={a.hidden}, layers={a.layers}, heads={a.heads}, "
-            f"kv_heads={a.kv_heads}, head_dim=64, intermediate={a.intermediate})"), str(model_dir)],
-            check=True, cwd=Path(__file__).resolve().parents[1])
+        model_dir = build_tiny_model(tmp / "model", hidden=a.hidden, layers=a.layers, heads=a.heads,
+                                     kv_heads=a.kv_heads, head_dim=64, intermediate=a.intermediate)
 
     from vllm import LLM
 

@@ -220,7 +220,8 @@ def plot(results: list[dict]) -> None:
     ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("bytes per changed element")
     ax.set_title("Delta payload per changed bf16 element (median over steps)")
-    ax.legend()
+    ax.legend(loc="upper center", ncol=3)
+    ax.set_ylim(0, 7)
     fig.tight_layout()
     fig.savefig(RESULTS / "codec.png", dpi=120)
 

@@ -21,7 +21,6 @@ import contextvars
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 from argparse import Namespace
@@ -29,8 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.chain import Chain
 from shared.errors import DeltaError
 from shared.schemas import PauseMode, Refusal, StepReport, UpdateResponse
+from shared.stores import open_store
 
 from . import metrics
 
@@ -83,7 +84,7 @@ class RolloutEngine:
         self.args = args
         self.state = ReplicaState()
         self.engine: Any = None
-        self.chain: Any = None
+        self.chain: Chain | None = None
         self.model_dir: Path | None = None
         self.base_state_digest = ""
         self.user_paused = False
@@ -101,10 +102,6 @@ class RolloutEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if "llvmlite.binding" in sys.modules:
-            # vLLM's kernel-override scan trips over llvmlite's lazy C symbol table in a forked
-            # engine process; a spawned one starts clean.
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         if getattr(self.args, "tensor_parallel_size", 1) > 1 or getattr(self.args, "pipeline_parallel_size", 1) > 1:
             # Maps are per rank, but live digests and staged verification read whole tensors.
             raise SystemExit("rollout_space supports tensor/pipeline parallel size 1 for now")
@@ -117,9 +114,6 @@ class RolloutEngine:
             disable_log_stats=engine_args.disable_log_stats)
         self._track_versions()
         self.timings["engine_s"] = time.perf_counter() - t0
-
-        from shared.chain import Chain  # after the engine process exists (see above)
-        from shared.stores import open_store
 
         self.chain = Chain(open_store(self.args.store))
         self.model_dir = resolve_model_dir(self.args.model)
