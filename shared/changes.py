@@ -87,9 +87,10 @@ def tensor_pool() -> ThreadPoolExecutor:
     return _pool("tensors")
 
 
-def map_balanced(fn, items: list, weights: list[int]) -> list:
+def map_balanced(fn, items: list, weights: list[int], progress=None) -> list:
     """``[fn(x) for x in items]`` on one batch per thread, batches balanced by weight: a task
-    per item costs more in hand-offs than many small items take to run."""
+    per item costs more in hand-offs than many small items take to run. ``progress``: a tqdm
+    bar to advance by each item's weight."""
     workers = tensor_pool()._max_workers
     batches: list[list[int]] = [[] for _ in range(workers)]
     load = [0] * workers
@@ -102,6 +103,8 @@ def map_balanced(fn, items: list, weights: list[int]) -> list:
     def run(batch: list[int]) -> None:
         for i in batch:
             out[i] = fn(items[i])
+            if progress is not None:
+                progress.update(weights[i])
 
     for _ in tensor_pool().map(run, batches):
         pass

@@ -60,7 +60,7 @@ def diff(base: Path, new: Path, output: Path = typer.Option(..., "-o", "--output
         base_header = bh or anchor_header(b, version=0)
         data = encode_delta(b, n, version=version or base_header.version + 1,
                             base_version=base_header.version, base_commitment=base_header.commitment,
-                            base_state_digest=base_header.state_digest)
+                            base_state_digest=base_header.state_digest, progress=True)
     except (DeltaError, FileNotFoundError) as e:
         _fail(e)
     output.write_bytes(data)
@@ -160,6 +160,37 @@ def pull(store: str, output: Path = typer.Option(..., "-o", "--output"),
     except (DeltaError, FileNotFoundError) as e:
         _fail(e)
     _write_checkpoint(state, h, output)
+
+
+@app.command()
+def squash(store: str, start: int = typer.Option(..., "--from", help="base version"),
+           end: int = typer.Option(None, "--to", help="target version (default: latest)")) -> None:
+    """Store one delta from version FROM to TO, for replicas that are that far behind.
+
+    It is attached to TO's manifest; the catch-up planner takes it when it is cheaper than the
+    deltas it replaces (repeated changes to the same weights are sent once).
+    """
+    import blake3
+
+    from .chain import ObjectRef, delta_key
+    from .squash import squash_onto
+
+    try:
+        chain = Chain(open_store(store))
+        end = end if end is not None else chain.latest().version
+        steps = [chain.manifest(v).object("delta") for v in range(start + 1, end + 1)]
+        if not steps or None in steps:
+            raise DeltaError("missing", f"no single-step delta for every version {start + 1}..{end}")
+        files = [chain.fetch(ref) for ref in steps]
+        base, _ = reconstruct(chain, start, progress=True)
+        data = squash_onto(base, files)
+        ref = ObjectRef(kind="delta", version=end, base_version=start, key=delta_key(start, end),
+                        size=len(data), blake3=blake3.blake3(data).hexdigest())
+        chain.add_object(end, ref.key, data, ref)
+    except (DeltaError, FileNotFoundError) as e:
+        _fail(e)
+    total = sum(f.size for f in files)
+    out.print(f"{ref.key}: {len(data):,} bytes instead of {total:,} in {len(files)} deltas")
 
 
 @app.command("log")

@@ -302,8 +302,8 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
 
 def encode_state(base: Mapping[str, torch.Tensor],
                  new: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor], *,
-                 update: bool = False, digests: Mapping[str, str] | None = None
-                 ) -> dict[str, EncodedTensor]:
+                 update: bool = False, digests: Mapping[str, str] | None = None,
+                 progress: bool = False) -> dict[str, EncodedTensor]:
     """Encode every tensor of ``base``, several at a time (the kernels and compressors release
     the GIL). ``new`` may be a function of the name, so that e.g. a bf16 cast of fp32 master
     weights exists for one tensor at a time rather than for the whole model."""
@@ -314,7 +314,11 @@ def encode_state(base: Mapping[str, torch.Tensor],
         return encode_tensor(n, base[n], get(n), update=update, threads=False,
                              digest=digests[n] if digests else None)
 
-    return dict(zip(names, map_balanced(one, names, [base[n].numel() for n in names])))
+    from tqdm.auto import tqdm
+
+    sizes = [base[n].numel() * base[n].element_size() for n in names]
+    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="encode", disable=not progress) as bar:
+        return dict(zip(names, map_balanced(one, names, sizes, bar)))
 
 
 def _metadata(header: Header) -> dict[str, str]:
@@ -351,12 +355,12 @@ def save_delta(header: Header, tensors: Mapping[str, torch.Tensor]) -> bytes:
 
 def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
                  version: int, base_version: int, base_commitment: str,
-                 base_state_digest: str = "", update_base: bool = False) -> bytes:
+                 base_state_digest: str = "", update_base: bool = False, progress: bool = False) -> bytes:
     """Delta file bytes taking ``base`` to ``new`` (same names, shapes and dtypes)."""
     if set(base) != set(new):
         raise DeltaError("shape_mismatch", f"tensor names differ: {sorted(set(base) ^ set(new))[:5]}")
     base_state_digest = base_state_digest or state_digest(base)
-    encoded = encode_state(base, new, update=update_base)
+    encoded = encode_state(base, new, update=update_base, progress=progress)
     header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                   base_commitment=base_commitment, base_state_digest=base_state_digest)
     return save_delta(header, tensors)

@@ -94,3 +94,13 @@ def test_push_pull_log(tiny_model_dir, tmp_path):
         assert state_digest(load_state(tmp_path / f"p{v}.safetensors")) == state_digest(states[v])
     p = run("push", store, tmp_path / "p1.safetensors")  # going back is just another version
     assert "v4" in p.stdout
+    # a squashed delta 1 -> 4 is smaller than the three it replaces (v4 undoes v2 and v3)
+    p = run("squash", store, "--from", 1, "--to", 4)
+    assert "deltas/v00000001-v00000004.safetensors" in p.stdout
+    from shared.chain import Chain
+    from shared.stores import open_store
+
+    chain = Chain(open_store(store))
+    assert [(o.base_version, o.version) for o in chain.plan(1, 4)] == [(1, 4)]
+    run("pull", store, "-o", tmp_path / "p4.safetensors")
+    assert state_digest(load_state(tmp_path / "p4.safetensors")) == state_digest(states[1])
