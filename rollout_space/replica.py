@@ -124,7 +124,7 @@ class LiveWeights:
         changed = 0
         t_decode = t_gather = t_predict = 0.0
         with torch.no_grad():
-            it = iter(delta.changes())
+            it = iter(delta.changes(base=self.live.read))
             while True:
                 a = time.perf_counter()
                 change = next(it, None)

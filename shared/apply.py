@@ -143,7 +143,7 @@ def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
     delta.verify()  # once, before the threads decode
 
     def one(name: str) -> Patch | InPlacePatch:
-        return make_patch(delta.change(name), flat_bits(target[name]), in_place=in_place)
+        return make_patch(delta.change(name, target[name]), flat_bits(target[name]), in_place=in_place)
 
     return map_balanced(one, names, [delta.header.tensors[n].changed for n in names])
 

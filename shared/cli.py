@@ -52,7 +52,9 @@ def _write_checkpoint(state: dict, h: Header, output: Path) -> None:
 
 @app.command()
 def diff(base: Path, new: Path, output: Path = typer.Option(..., "-o", "--output"),
-         version: int = typer.Option(None, help="version of NEW (default: base's + 1)")) -> None:
+         version: int = typer.Option(None, help="version of NEW (default: base's + 1)"),
+         compact: bool = typer.Option(False, help="positions per exponent class: smaller, "
+                                                  "slower to encode and decode")) -> None:
     """Write the exact delta taking BASE to NEW."""
     try:
         b, bh = _load(base)
@@ -60,7 +62,8 @@ def diff(base: Path, new: Path, output: Path = typer.Option(..., "-o", "--output
         base_header = bh or anchor_header(b, version=0)
         data = encode_delta(b, n, version=version or base_header.version + 1,
                             base_version=base_header.version, base_commitment=base_header.commitment,
-                            base_state_digest=base_header.state_digest, progress=True)
+                            base_state_digest=base_header.state_digest, progress=True,
+                            compact=compact)
     except (DeltaError, FileNotFoundError) as e:
         _fail(e)
     output.write_bytes(data)
@@ -129,7 +132,8 @@ def digest(checkpoint: Path) -> None:
 
 
 @app.command()
-def push(store: str, checkpoint: Path) -> None:
+def push(store: str, checkpoint: Path,
+         compact: bool = typer.Option(False, help="positions per exponent class (see diff)")) -> None:
     """Publish CHECKPOINT as the store's next version (a delta, plus an anchor by policy)."""
     from .publisher import DeltaPublisher
 
@@ -137,7 +141,7 @@ def push(store: str, checkpoint: Path) -> None:
         new = load_state(checkpoint)
         chain = Chain(open_store(store))
         state = reconstruct(chain, progress=True)[0] if chain.latest() is not None else new
-        with DeltaPublisher(state, chain.store) as pub:
+        with DeltaPublisher(state, chain.store, compact=compact) as pub:
             if state is not new:
                 if set(state) != set(new):
                     raise DeltaError("shape_mismatch", "checkpoint's tensors differ from the chain's")

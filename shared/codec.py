@@ -62,6 +62,9 @@ from .errors import DeltaError
 FORMAT = "deltasync"
 FORMAT_VERSION = 1
 POS, VAL = "::pos", "::val"
+# (shift, mask) of the exponent field in each float dtype's bits: the class of an element
+EXPONENT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F), torch.float32: (23, 0xFF)}
+_CLASSED = struct.Struct("<BII")  # class, changes in it, bytes of its Rice code
 
 Encoding = Literal["same", "xor", "add", "set", "full"]
 
@@ -72,7 +75,7 @@ class TensorEntry(BaseModel):
     digest: str  # tensor digest of the target
     changed: int = 0
     encoding: Encoding = "same"
-    positions: Literal["gaps", "all"] | None = None
+    positions: Literal["gaps", "classed", "all"] | None = None
     gap_bytes: int = 0
     coders: dict[str, Literal["zstd", "ans", "rice"]] = {}  # blob suffix -> how it is compressed
 
@@ -142,6 +145,51 @@ def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
     zstd_blob = zstd_compress(planes)
     rice_blob = rice_encode(np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1))
     return (rice_blob, 0, "rice") if len(rice_blob) < len(zstd_blob) else (zstd_blob, nbytes, "zstd")
+
+
+def encode_positions_classed(positions: np.ndarray, base: np.ndarray, dtype: torch.dtype) -> bytes:
+    """Per exponent class of the base element: the class-local indices of its changes, as Rice-
+    coded gaps. Costs a pass over the whole base tensor, at both ends."""
+    from .kernels import class_local_indices
+
+    shift, mask = EXPONENT[dtype]
+    cls = np.empty(positions.shape[0], dtype=np.int64)
+    local = np.empty(positions.shape[0], dtype=np.int64)
+    class_local_indices(base, shift, mask, positions, cls, local)
+    order = np.argsort(cls, kind="stable")  # by class; within a class, local indices ascend
+    cls, local = cls[order], local[order]
+    parts = []
+    for c in np.unique(cls):
+        lo, hi = np.searchsorted(cls, c), np.searchsorted(cls, c, side="right")
+        code = rice_encode(np.diff(local[lo:hi], prepend=-1).astype(np.uint64) - np.uint64(1))
+        parts += [_CLASSED.pack(int(c), int(hi - lo), len(code)), code]
+    return b"".join(parts)
+
+
+def decode_positions_classed(blob, count: int, base: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    from .kernels import positions_from_classes
+
+    blob = memoryview(blob).cast("B")
+    starts, ends = np.zeros(256, dtype=np.int64), np.zeros(256, dtype=np.int64)
+    locals_, at, total = [], 0, 0
+    while at < len(blob):
+        if at + _CLASSED.size > len(blob):
+            raise DeltaError("corrupt", "classed positions: truncated class header")
+        c, n, size = _CLASSED.unpack_from(blob, at)
+        at += _CLASSED.size
+        if n == 0 or ends[c] or at + size > len(blob) or total + n > count:
+            raise DeltaError("corrupt", "classed positions: bad class entry")
+        locals_.append(rice_decode(blob[at:at + size], n, running=True))
+        starts[c], ends[c] = total, total + n
+        at, total = at + size, total + n
+    if total != count:
+        raise DeltaError("corrupt", f"classed positions: {total} changes, header says {count}")
+    shift, mask = EXPONENT[dtype]
+    out = np.empty(count, dtype=np.int64)
+    local = np.concatenate(locals_) if locals_ else np.empty(0, dtype=np.int64)
+    if positions_from_classes(base, shift, mask, local, starts, ends, out) != count:
+        raise DeltaError("corrupt", "classed positions do not fit the base tensor")
+    return out
 
 
 def decode_positions(blob, count: int, gap_bytes: int, numel: int, coder: str = "zstd") -> np.ndarray:
@@ -265,8 +313,13 @@ def choose_mode(xor: np.ndarray, new: Callable[[int], np.ndarray]) -> str:
 
 
 def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
-                  digest: str | None = None, threads: bool = True) -> EncodedTensor:
-    """Encode how ``new`` differs from ``old`` (refreshing ``old`` in place if ``update``)."""
+                  digest: str | None = None, threads: bool = True, compact: bool = False) -> EncodedTensor:
+    """Encode how ``new`` differs from ``old`` (refreshing ``old`` in place if ``update``).
+
+    ``compact`` also tries positions coded per exponent class of the base element (smaller when
+    changes concentrate on small weights, as at RL learning rates), which costs a pass over the
+    whole tensor to encode and needs the base to decode.
+    """
     if old.shape != new.shape or old.dtype != new.dtype:
         raise DeltaError("shape_mismatch", f"{name}: {tuple(old.shape)}/{old.dtype} -> "
                          f"{tuple(new.shape)}/{new.dtype}")
@@ -297,13 +350,22 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
     pos, xor = changes.positions, changes.xor
     mode = choose_mode(xor, lambda k: n[pos[:k]])
     bits = xor if mode == "xor" else value_bits(mode, xor, n[pos])
-    return sparse_entry(entry, name, pos, mode, bits, changes.count)
+    enc = sparse_entry(entry, name, pos, mode, bits, changes.count)
+    if compact:
+        base = n.copy()  # the base bits: old ones where changed (``old`` may be updated already)
+        base[pos] ^= xor
+        classed = encode_positions_classed(pos, base, new.dtype)
+        if len(classed) < enc.blobs[name + POS].numel():
+            enc.blobs[name + POS] = _u8(classed)
+            enc.entry.positions, enc.entry.gap_bytes = "classed", 0
+            enc.entry.coders = {**enc.entry.coders, POS: "rice"}
+    return enc
 
 
 def encode_state(base: Mapping[str, torch.Tensor],
                  new: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor], *,
                  update: bool = False, digests: Mapping[str, str] | None = None,
-                 progress: bool = False) -> dict[str, EncodedTensor]:
+                 progress: bool = False, compact: bool = False) -> dict[str, EncodedTensor]:
     """Encode every tensor of ``base``, several at a time (the kernels and compressors release
     the GIL). ``new`` may be a function of the name, so that e.g. a bf16 cast of fp32 master
     weights exists for one tensor at a time rather than for the whole model."""
@@ -312,7 +374,7 @@ def encode_state(base: Mapping[str, torch.Tensor],
 
     def one(n: str) -> EncodedTensor:
         return encode_tensor(n, base[n], get(n), update=update, threads=False,
-                             digest=digests[n] if digests else None)
+                             digest=digests[n] if digests else None, compact=compact)
 
     from tqdm.auto import tqdm
 
@@ -355,12 +417,13 @@ def save_delta(header: Header, tensors: Mapping[str, torch.Tensor]) -> bytes:
 
 def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
                  version: int, base_version: int, base_commitment: str,
-                 base_state_digest: str = "", update_base: bool = False, progress: bool = False) -> bytes:
+                 base_state_digest: str = "", update_base: bool = False, progress: bool = False,
+                 compact: bool = False) -> bytes:
     """Delta file bytes taking ``base`` to ``new`` (same names, shapes and dtypes)."""
     if set(base) != set(new):
         raise DeltaError("shape_mismatch", f"tensor names differ: {sorted(set(base) ^ set(new))[:5]}")
     base_state_digest = base_state_digest or state_digest(base)
-    encoded = encode_state(base, new, update=update_base, progress=progress)
+    encoded = encode_state(base, new, update=update_base, progress=progress, compact=compact)
     header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                   base_commitment=base_commitment, base_state_digest=base_state_digest)
     return save_delta(header, tensors)
@@ -517,7 +580,9 @@ class DeltaFile:
         with safetensors.safe_open(str(self._path), framework="pt") as f:
             return list(f.keys())
 
-    def change(self, name: str) -> TensorChange | None:
+    def change(self, name: str, base: torch.Tensor | None = None) -> TensorChange | None:
+        """One tensor's change. ``base`` (the tensor it applies to, in checkpoint coordinates)
+        is needed only for positions coded per exponent class."""
         e = self.header.tensors[name]
         if e.encoding == "same":
             return None
@@ -529,6 +594,13 @@ class DeltaFile:
         iv = INT_VIEW[TORCH_DTYPES[e.dtype]]
         if e.positions == "all":
             count, positions = e.numel, None
+        elif e.positions == "classed":
+            if base is None:
+                raise DeltaError("format", f"{name}: positions are coded against the base; pass it")
+            count = e.changed
+            pos = decode_positions_classed(self._blob(name, POS), count,
+                                           unsigned_view(base.contiguous()), TORCH_DTYPES[e.dtype])
+            positions = torch.from_numpy(pos)
         else:
             count = e.changed
             pos = decode_positions(self._blob(name, POS), count, e.gap_bytes, e.numel,
@@ -538,9 +610,10 @@ class DeltaFile:
                                  e.coders.get(VAL, "zstd"))
         return TensorChange(name, e.encoding, positions, torch.from_numpy(vals.view(SIGNED_NP[iv])))
 
-    def changes(self) -> Iterator[TensorChange]:
-        for name in self.header.tensors:
-            c = self.change(name)
+    def changes(self, base: Callable[[str], torch.Tensor] | None = None) -> Iterator[TensorChange]:
+        """Every change; ``base(name)`` is asked for a base tensor only where one is needed."""
+        for name, e in self.header.tensors.items():
+            c = self.change(name, base(name) if base and e.positions == "classed" else None)
             if c is not None:
                 yield c
 

@@ -363,3 +363,47 @@ def unzigzag(z, out):  # pragma: no cover
     for i in range(z.shape[0]):
         v = z[i]
         out[i] = np.int64(v >> np.uint64(1)) ^ -np.int64(v & np.uint64(1))
+
+
+# --------------------------------------------------------------------------- classed positions
+# Whether an element changes depends strongly on its base exponent (a small weight has a small
+# ulp), so positions are coded per exponent class, as gaps between class-local indices.
+
+
+@numba.njit(cache=True, nogil=True)
+def class_local_indices(base, shift, mask, positions, cls, local):  # pragma: no cover
+    """For each changed position: its class (``(base >> shift) & mask``) and its index among the
+    elements of that class. Returns the per-class element counts."""
+    counts = np.zeros(256, dtype=np.int64)
+    j = 0
+    n_pos = positions.shape[0]
+    nxt = positions[0] if n_pos else -1
+    for i in range(base.shape[0]):
+        c = (np.int64(base[i]) >> shift) & mask
+        if i == nxt:
+            cls[j] = c
+            local[j] = counts[c]
+            j += 1
+            nxt = positions[j] if j < n_pos else -1
+        counts[c] += 1
+    return counts
+
+
+@numba.njit(cache=True, nogil=True)
+def positions_from_classes(base, shift, mask, local, starts, ends, out):  # pragma: no cover
+    """Inverse of :func:`class_local_indices`: ``local[starts[c]:ends[c]]`` are the sorted local
+    indices of class c. Writes global positions in order; returns how many (less than
+    ``out.shape[0]`` if the input was damaged)."""
+    counts = np.zeros(256, dtype=np.int64)
+    ptr = starts.copy()
+    k = 0
+    for i in range(base.shape[0]):
+        c = (np.int64(base[i]) >> shift) & mask
+        p = ptr[c]
+        if p < ends[c] and local[p] == counts[c]:
+            if k < out.shape[0]:
+                out[k] = i
+            k += 1
+            ptr[c] = p + 1
+        counts[c] += 1
+    return k

@@ -75,6 +75,8 @@ def squash(files: list[DeltaFile]) -> bytes:
     first, last = files[0].header, files[-1].header
     if any(f.header.kind != "delta" for f in files):
         raise NotSquashable("only deltas squash")
+    if any(e.positions == "classed" for f in files for e in f.header.tensors.values()):
+        raise NotSquashable("positions coded against the base need the base: use squash_onto")
     encoded: dict[str, EncodedTensor] = {}
     for name, entry in last.tensors.items():
         acc: TensorChange | _Sparse | None = None

@@ -25,9 +25,10 @@ specs = st.dictionaries(
 )
 
 
-def roundtrip(base, new):
+def roundtrip(base, new, compact=False):
     h0 = anchor_header(base, version=0)
-    data = encode_delta(base, new, version=1, base_version=0, base_commitment=h0.commitment)
+    data = encode_delta(base, new, version=1, base_version=0, base_commitment=h0.commitment,
+                        compact=compact)
     delta = DeltaFile.from_bytes(data)
     target = {n: t.clone() for n, t in base.items()}
     header = apply_delta(delta, target, version=0, commitment=h0.commitment)
@@ -36,11 +37,11 @@ def roundtrip(base, new):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=specs, fraction=st.sampled_from([0.0, 0.001, 0.01, 0.1, 0.5, 1.0]),
-       seed=st.integers(0, 2**16))
-def test_roundtrip_is_bit_exact(specs, fraction, seed):
+       seed=st.integers(0, 2**16), compact=st.booleans())
+def test_roundtrip_is_bit_exact(specs, fraction, seed, compact):
     base = bits_state(seed, specs)
     new = perturb(base, fraction, seed + 1)
-    data, header, target = roundtrip(base, new)
+    data, header, target = roundtrip(base, new, compact)
     assert same_bits(target, new)
     assert header.state_digest == state_digest(new)
     assert header.changed == sum(
@@ -78,8 +79,28 @@ def test_payload_is_small_at_one_percent():
     new["w"][m] = (new["w"][m].float() * (1 + 2**-8)).bfloat16()  # one-ulp moves
     data, header, target = roundtrip(base, new)
     assert same_bits(target, new)
-    assert len(data) / header.changed < 3.0
-    assert len(data) < 6 * header.changed
+    assert len(data) / header.changed < 1.5
+    assert header.tensors["w"].encoding == "add"
+
+
+def test_compact_positions_follow_the_base_exponent():
+    """When small weights change more often (as when a step is below one ulp of large ones),
+    coding positions per exponent class is smaller, and it needs the base to decode."""
+    torch.manual_seed(0)
+    base = {"w": (torch.randn(512, 1024) * 0.02).bfloat16()}
+    w = base["w"].float()
+    p = (3e-7 / (w.abs() * 2**-8 + 1e-12)).clamp(max=1)  # one-ulp steps of a fixed size
+    m = torch.rand(w.shape) < p
+    new = {"w": base["w"].clone()}
+    new["w"][m] = (w[m] + w[m].abs() * 2**-7).bfloat16()
+    plain, _, _ = roundtrip(base, new)
+    compact, header, target = roundtrip(base, new, compact=True)
+    assert same_bits(target, new) and header.tensors["w"].positions == "classed"
+    assert len(compact) < 0.95 * len(plain)
+    from shared.errors import DeltaError
+
+    with pytest.raises(DeltaError, match="base"):
+        DeltaFile.from_bytes(compact).change("w")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
