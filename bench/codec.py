@@ -79,7 +79,7 @@ def trajectory(case: Case, model):
 def run_case(case: Case) -> dict:
     from shared.apply import commit, prepare
     from shared.checkpoint import module_state
-    from shared.codec import DeltaFile, build_delta, encode_tensor, save_delta
+    from shared.codec import DeltaFile, build_delta, encode_state, encode_tensor, save_delta
     from shared.digest import tensor_digest
 
     torch.set_num_threads(torch.get_num_threads())
@@ -110,25 +110,27 @@ def run_case(case: Case) -> dict:
         assert sum(p.numel() for p in positions.values()) == changed
         trl_bytes = int32_bf16_bytes(positions, new)
         copy_s = memcpy_seconds(new)
+        # the compact coding (positions per exponent class), same change
+        t0 = time.perf_counter()
+        compact_enc = encode_state(base, new, compact=True, digests=digests)
+        compact_encode_s = time.perf_counter() - t0
+        compact = save_delta(*build_delta(compact_enc, version=step + 1, base_version=step, base_commitment=""))
         # apply: decode + gather + scatter, vs loading the dense checkpoint, vs bare index_copy_
         target = {n: t.clone() for n, t in base.items()}
 
-        def apply_ours():
-            patches = prepare(DeltaFile.from_bytes(data), target)
-            commit(patches)
-            return patches
+        def apply_timed(blob: bytes) -> float:
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                patches = prepare(DeltaFile.from_bytes(blob), target)
+                commit(patches)
+                times.append(time.perf_counter() - t0)
+                assert all(torch.equal(target[n].view(torch.int16), new[n].view(torch.int16)) for n in new)
+                for p in patches:
+                    p.revert()
+            return statistics.median(times[1:])  # the first call also compiles/loads kernels
 
-        patches = apply_ours()
-        assert all(torch.equal(target[n].view(torch.int16), new[n].view(torch.int16)) for n in new)
-        for p in patches:
-            p.revert()
-        apply_s = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            ps = apply_ours()
-            apply_s.append(time.perf_counter() - t0)
-            for p in ps:
-                p.revert()
+        apply_s, compact_apply_s = apply_timed(data), apply_timed(compact)
         dense_target = {n: t.clone() for n, t in base.items()}
 
         def dense_load():
@@ -148,7 +150,9 @@ def run_case(case: Case) -> dict:
             "int32_bf16_B_per_change": trl_bytes / max(changed, 1),
             "encode_GBps": dense / encode_s / 1e9, "memcpy_GBps": dense / copy_s / 1e9,
             "encode_vs_memcpy": copy_s / encode_s, "digest_GBps": dense / digest_s / 1e9,
-            "apply_s": statistics.median(apply_s), "dense_load_s": dense_s, "index_copy_s": floor_s,
+            "apply_s": apply_s, "dense_load_s": dense_s, "index_copy_s": floor_s,
+            "compact_B_per_change": len(compact) / max(changed, 1),
+            "compact_encode_GBps": dense / compact_encode_s / 1e9, "compact_apply_s": compact_apply_s,
         })
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     return {"case": case.name, "kind": case.kind, "params": numel, "lr": case.lr,
@@ -182,23 +186,26 @@ def report(results: list[dict]) -> None:
     console = Console(width=160)
     size = Table(title="payload: bytes per changed element (medians per step, after Adam's first)")
     for col in ["case", "params", "changed", "dense MB", "int32+bf16 B/chg", "deltasync B/chg",
-                "smaller than int32+bf16", "smaller than dense"]:
+                "vs int32+bf16", "vs dense", "compact B/chg", "compact vs int32+bf16"]:
         size.add_column(col, justify="right")
     speed = Table(title="speed: encode vs memcpy, apply (decode + scatter) vs dense load and index_copy_")
     for col in ["case", "encode GB/s", "memcpy GB/s", "encode/memcpy", "digest GB/s", "apply ms",
-                "dense load ms", "index_copy_ ms", "apply/index_copy_", "apply/dense", "peak RSS MB"]:
+                "dense load ms", "index_copy_ ms", "apply/index_copy_", "apply/dense",
+                "compact encode GB/s", "compact apply ms", "peak RSS MB"]:
         speed.add_column(col, justify="right")
     for r in results:
         m = r["median"]
         size.add_row(r["case"], f"{r['params'] / 1e6:.0f}M", f"{m['changed_fraction']:.2%}",
                      f"{m['dense_bytes'] / 1e6:.0f}", f"{m['int32_bf16_B_per_change']:.2f}",
                      f"{m['ours_B_per_change']:.3f}", f"{m['int32_bf16_bytes'] / m['ours_bytes']:.2f}x",
-                     f"{m['dense_bytes'] / m['ours_bytes']:.0f}x")
+                     f"{m['dense_bytes'] / m['ours_bytes']:.0f}x", f"{m['compact_B_per_change']:.3f}",
+                     f"{m['int32_bf16_B_per_change'] / m['compact_B_per_change']:.2f}x")
         speed.add_row(r["case"], f"{m['encode_GBps']:.2f}", f"{m['memcpy_GBps']:.2f}",
                       f"{m['encode_vs_memcpy']:.2f}x", f"{m['digest_GBps']:.1f}",
                       f"{m['apply_s'] * 1e3:.1f}", f"{m['dense_load_s'] * 1e3:.1f}",
                       f"{m['index_copy_s'] * 1e3:.1f}", f"{m['apply_s'] / m['index_copy_s']:.1f}x",
-                      f"{m['apply_s'] / m['dense_load_s']:.2f}x", f"{r['peak_rss_MB']:.0f}")
+                      f"{m['apply_s'] / m['dense_load_s']:.2f}x", f"{m['compact_encode_GBps']:.2f}",
+                      f"{m['compact_apply_s'] * 1e3:.1f}", f"{r['peak_rss_MB']:.0f}")
     console.print(size)
     console.print(speed)
 
@@ -212,15 +219,17 @@ def plot(results: list[dict]) -> None:
     names = [r["case"] for r in results]
     ours = [r["median"]["ours_B_per_change"] for r in results]
     trl = [r["median"]["int32_bf16_B_per_change"] for r in results]
+    compact = [r["median"]["compact_B_per_change"] for r in results]
     x = range(len(names))
-    fig, ax = plt.subplots(figsize=(9, 4))
-    ax.bar([i - 0.2 for i in x], trl, 0.4, label="int32 + bf16")
-    ax.bar([i + 0.2 for i in x], ours, 0.4, label="deltasync")
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar([i - 0.27 for i in x], trl, 0.27, label="int32 + bf16")
+    ax.bar(list(x), ours, 0.27, label="deltasync")
+    ax.bar([i + 0.27 for i in x], compact, 0.27, label="deltasync --compact")
     ax.axhline(1.35, color="k", ls="--", lw=1, label="target 1.35 B")
     ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("bytes per changed element")
     ax.set_title("Delta payload per changed bf16 element (median over steps)")
-    ax.legend(loc="upper center", ncol=3)
+    ax.legend(loc="upper center", ncol=4)
     ax.set_ylim(0, 7)
     fig.tight_layout()
     fig.savefig(RESULTS / "codec.png", dpi=120)
