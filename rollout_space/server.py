@@ -16,7 +16,6 @@ import json
 import logging
 from argparse import Namespace
 from contextlib import asynccontextmanager
-from http import HTTPStatus
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request

@@ -14,7 +14,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     state = {f"layer{i}.weight": (torch.randn(256, 256) * 0.02).bfloat16() for i in range(4)}
     with DeltaPublisher(state, store, policy=AnchorPolicy(max_deltas=5), keep_anchors=1000) as pub:
-        for step in range(n):
+        for _ in range(n):
             for t in state.values():
                 m = torch.rand(t.shape) < 0.01
                 t[m] = (t[m].float() * 1.01).bfloat16()
