@@ -98,9 +98,13 @@ class AnchorPolicy:
 
 
 def ref_for(kind: Literal["anchor", "delta"], header: Header, key: str, data: bytes | Path) -> ObjectRef:
-    raw = data if isinstance(data, bytes) else Path(data).read_bytes()
+    if isinstance(data, bytes):
+        size, digest = len(data), blake3.blake3(data).hexdigest()
+    else:  # an anchor file: hashed from disk, never read into memory whole
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(data)
+        size, digest = Path(data).stat().st_size, hasher.hexdigest()
     return ObjectRef(kind=kind, version=header.version, base_version=header.base_version, key=key,
-                     size=len(raw), blake3=blake3.blake3(raw).hexdigest())
+                     size=size, blake3=digest)
 
 
 class Chain:

@@ -68,8 +68,9 @@ class DeltaPublisher:
 
     ``model`` is an ``nn.Module`` or a name->tensor mapping, in checkpoint coordinates (tied
     weights once). fp32 master weights are compared after the cast to ``dtype``, which is what
-    replicas serve (``dtype=None`` publishes every tensor in its own dtype). ``external_base`` names a checkpoint every replica already has (a Hub id or
-    path): then version 0 is not uploaded, and replicas check its state digest instead.
+    replicas serve (``dtype=None`` publishes every tensor in its own dtype). ``external_base``
+    names a checkpoint every replica already has (a Hub id or path): then version 0 is not
+    uploaded, and replicas check its state digest instead.
     ``compact`` codes positions per exponent class where that is smaller (about a third less
     for positions at RL learning rates), at the price of a pass over each changed tensor at
     both ends.
