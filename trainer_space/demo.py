@@ -70,13 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--out", type=Path, default=Path("runs/demo"))
     ap.add_argument("--samples", type=int, default=4, help="completions per prompt")
+    ap.add_argument("--hidden", type=int, default=256, help="width of the locally built Qwen3")
+    ap.add_argument("--layers", type=int, default=4)
     a = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = a.out / "model"
+    model_dir = a.out / f"model-h{a.hidden}-l{a.layers}"
     if not (model_dir / "model.safetensors").exists():
-        build_tiny_model(model_dir)
+        build_tiny_model(model_dir, hidden=a.hidden, layers=a.layers, heads=a.hidden // 64,
+                         kv_heads=max(1, a.hidden // 128), head_dim=64, intermediate=3 * a.hidden)
     bucket = a.out / "bucket"
     shutil.rmtree(bucket, ignore_errors=True)
     token = secrets.token_hex(16)
