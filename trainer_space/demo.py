@@ -64,6 +64,39 @@ def policy_gradient_loss(model, tokenizer, prompts: list[str], choices: list[dic
     return torch.stack(losses).mean(), float(rewards.mean())
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Bytes per step (log scale) and the replica's pause: what a person checks first."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for key, label in (("dense_bytes", "dense bf16"), ("int32_bf16_bytes", "int32 + bf16"),
+                       ("payload_bytes", "deltasync")):
+        ax1.plot(steps, [r[key] for r in rows], marker=".", label=label)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("bytes per version")
+    ax1.legend()
+    ax1.set_title("what each version costs to ship")
+    ax2.plot(steps, [r["pause_s"] * 1e3 for r in rows], marker=".", label="replica pause")
+    ax2.plot(steps, [r["encode_s"] * 1e3 for r in rows], marker=".", label="trainer encode")
+    ax2.set_yscale("log")  # the first encode also loads the compiled kernels
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("ms")
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax2.legend()
+    ax2.set_title("time (every version served bit-exactly)" if all(r["exact"] for r in rows)
+                  else "time (a version did not match!)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
@@ -135,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"({med('dense_bytes') / med('payload_bytes'):.1f}x smaller), pause {med('pause_s') * 1e3:.1f} ms, "
                   f"end to end {med('e2e_s') * 1e3:.0f} ms")
     (a.out / "report.json").write_text(json.dumps({"steps": rows, "exact": ok_all}, indent=1))
+    plot(rows, a.out / "report.png")
     console.print(("[bold green]every version served bit-exactly[/]" if ok_all else
-                   "[bold red]a version did not match[/]") + f" — report in {a.out / 'report.json'}")
+                   "[bold red]a version did not match[/]") + f" — report in {a.out / 'report.json'}, "
+                  f"plot in {a.out / 'report.png'}")
     return 0 if ok_all else 1
 
 
