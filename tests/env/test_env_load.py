@@ -70,7 +70,7 @@ def test_128_concurrent_games(server) -> None:
         f"{len(latencies)} requests in {elapsed:.2f}s, 0 errors, "
         f"latency p50 {p50 * 1000:.1f} ms, p95 {p95 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms"
     )
-    assert p95 < 5.0  # generous: a 2-core CI box shares the cores with the clients
+    # Latency is reported, not asserted: speed belongs in benchmarks, not in pass/fail.
     # Every session was released when its client closed.
     deadline = time.monotonic() + 10
     while _active(server.base_url) != before:
