@@ -43,6 +43,17 @@ BASE_LABEL = "base"  # weight version label before the chain names a version
 SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("deltasync_spans", default=None)
 
 
+def _runs_of_deltas(plan: list) -> list[list]:
+    """Split a plan into anchors (alone) and runs of consecutive deltas."""
+    groups: list[list] = []
+    for ref in plan:
+        if ref.kind == "delta" and groups and groups[-1][-1].kind == "delta":
+            groups[-1].append(ref)
+        else:
+            groups.append([ref])
+    return groups
+
+
 class UpdateRefused(Exception):
     """An update that was refused; ``response`` says what is served now and why."""
 
@@ -233,8 +244,11 @@ class RolloutEngine:
             if held is not None and target < held:
                 raise DeltaError("out_of_order", f"replica serves v{held}; v{target} is older")
             self.state.status = "updating"
-            for ref in await self._plan(target):
-                steps.append(await self._apply(ref, mode))
+            for group in _runs_of_deltas(await self._plan(target)):
+                if len(group) == 1:
+                    steps.append(await self._apply(group[0], mode))
+                else:
+                    steps += await self._apply_run(group, mode)
             self.state.status = "ready"
             return self._response(target, steps, t0)
         except DeltaError as e:
@@ -275,17 +289,49 @@ class RolloutEngine:
                 return [ext] + await asyncio.to_thread(chain.plan, 0, target, genesis.commitment)
         return await asyncio.to_thread(chain.plan, held, target, self.state.commitment or None)
 
-    async def _apply(self, ref, mode: PauseMode) -> StepReport:
-        if ref.kind == "anchor":
+    async def _apply_run(self, refs: list, mode: PauseMode) -> list[StepReport]:
+        """Consecutive deltas as one: one stage, one pause, and a weight changed back and forth
+        is written once. One at a time when they do not compose without the base (see
+        ``shared.squash``); either way each is downloaded and checked once."""
+        from shared.codec import DeltaFile
+        from shared.squash import NotSquashable, squash
+
+        local: list[tuple[Path, StepReport]] = []
+        try:
+            for ref in refs:
+                path, dt = await self._download(ref)
+                local.append((path, StepReport(version=ref.version, kind="delta", base_version=ref.base_version,
+                                               bytes=ref.size, download_s=dt)))
+            try:
+                data = await asyncio.to_thread(lambda: squash([DeltaFile.open(p) for p, _ in local]))
+            except NotSquashable as e:
+                log.info("v%d..v%d one by one: %s", refs[0].version, refs[-1].version, e)
+                return [await self._apply(None, mode, local=item) for item in local]
+            path = self._work / f"v{refs[0].base_version}-v{refs[-1].version}-{os.getpid()}.safetensors"
+            await asyncio.to_thread(path.write_bytes, data)
+            step = StepReport(version=refs[-1].version, kind="delta", base_version=refs[0].base_version,
+                              bytes=sum(r.size for r in refs), download_s=sum(s.download_s for _, s in local))
+            return [await self._apply(None, mode, local=(path, step))]
+        finally:
+            for p, _ in local:
+                p.unlink(missing_ok=True)
+
+    async def _apply(self, ref, mode: PauseMode, local: tuple[Path, StepReport] | None = None) -> StepReport:
+        """Apply one object; ``local`` is a delta file already downloaded and checked (or
+        squashed from several) with its step report."""
+        if ref is not None and ref.kind == "anchor":
             return await self._apply_anchor(ref, mode)
-        step = StepReport(version=ref.version, kind="delta", base_version=ref.base_version, bytes=ref.size)
-        path, step.download_s = await self._download(ref)
+        if local is None:
+            step = StepReport(version=ref.version, kind="delta", base_version=ref.base_version, bytes=ref.size)
+            path, step.download_s = await self._download(ref)
+        else:
+            path, step = local
         try:
             staged = await self.job("stage", json.dumps({"path": str(path), "predict": self.args.predict}))
             step.stage_s, step.changed = staged["stage_s"], staged["changed"]
             stage_id = staged["stage"]
-            m = await asyncio.to_thread(self.chain.manifest, ref.version)
-            commit = await self._paused_write(ref.version, m.commitment, m.state_digest, mode,
+            m = await asyncio.to_thread(self.chain.manifest, step.version)
+            commit = await self._paused_write(step.version, m.commitment, m.state_digest, mode,
                                               "deltasync_commit", stage_id, step)
             step.commit_s = commit["commit_s"]
             a = time.perf_counter()
@@ -293,7 +339,7 @@ class RolloutEngine:
             step.audit_s = time.perf_counter() - a
             if audit["bad"]:
                 await self._paused_revert(stage_id, mode)
-                raise DeltaError("digest_mismatch", f"v{ref.version}: {len(audit['bad'])} tensors read "
+                raise DeltaError("digest_mismatch", f"v{step.version}: {len(audit['bad'])} tensors read "
                                  f"back wrong after the write (e.g. {audit['bad'][0]}); reverted")
             await self.rpc("deltasync_release", stage_id)
         finally:

@@ -286,3 +286,20 @@ def test_in_flight_update_when_asked_spans_two_versions(server: Server, trainer:
     spans = body["policy_version_spans"][0]
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
     assert server.complete()["policy_version"] == report.version
+
+
+def test_catch_up_over_several_versions_pauses_once(server: Server, trainer: FakeTrainer):
+    """Deltas the replica missed are squashed and applied in one pause."""
+    held = server.get("/version").json()["version"]
+    saved, trainer.publisher.replicas[:] = list(trainer.publisher.replicas), []  # notifications lost
+    try:
+        reports = [trainer.step() for _ in range(3)]
+        trainer.publisher.flush()
+    finally:
+        trainer.publisher.replicas[:] = saved
+    r = server.update()
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["version"] == reports[-1].version and body["state_digest"] == reports[-1].state_digest
+    assert [(s["base_version"], s["version"]) for s in body["steps"]] == [(held, reports[-1].version)]
+    assert live_digest(server)["state_digest"] == trainer.publisher.state_digest
