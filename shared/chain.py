@@ -16,6 +16,7 @@ ever follows references to objects that were complete before the reference was w
 from __future__ import annotations
 
 import heapq
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,20 @@ class Chain:
         """Download and check an object against its manifest entry, then parse it."""
         return DeltaFile.from_bytes(self.fetch_bytes(ref))
 
+    def download(self, ref: ObjectRef, path: str | Path) -> Path:
+        """Download an object to a file, checked against its manifest entry without ever holding
+        it in memory whole (anchors are as large as the model)."""
+        if ref.key is None:
+            raise DeltaError("missing", f"v{ref.version} is the external checkpoint {ref.external!r}")
+        path = self.store.download(ref.key, path)
+        size = path.stat().st_size
+        digest = (blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(str(path)) if size
+                  else blake3.blake3()).hexdigest()
+        if size != ref.size or digest != ref.blake3:
+            path.unlink(missing_ok=True)
+            raise DeltaError("corrupt", f"{ref.key}: {size} bytes that do not match the manifest")
+        return path
+
     def plan(self, from_version: int | None, to_version: int,
              from_commitment: str | None = None) -> list[ObjectRef]:
         """Cheapest list of objects (by bytes) from ``from_version`` to ``to_version``.
@@ -278,8 +293,9 @@ def reconstruct(chain: Chain, version: int | None = None, *, progress: bool = Fa
                                 base_commitment=m.base_commitment, state_digest=m.state_digest,
                                 tensors={})
             else:
-                f = chain.fetch(ref)
-                state, header = f.state(), f.header
+                with tempfile.TemporaryDirectory(prefix="deltasync-anchor-") as tmp:
+                    f = DeltaFile.open(chain.download(ref, Path(tmp) / "anchor.safetensors"))
+                    state, header = f.state(), f.header
         else:
             f = chain.fetch(ref)
             header = apply_delta(f, state, version=header.version, commitment=header.commitment)
