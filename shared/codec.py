@@ -134,16 +134,24 @@ def _to_planes(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
-    """Gaps between positions as a Rice code (near the entropy when changes are spread out) or
-    zstd'd byte planes (better when they cluster), whichever is smaller."""
+def _gap_planes(positions: np.ndarray) -> tuple[bytes, int]:
     from .kernels import max_gap, positions_to_gaps
 
     nbytes = max(1, (int(max_gap(positions)).bit_length() + 7) // 8)
     planes = np.empty(positions.shape[0] * nbytes, dtype=np.uint8)
     positions_to_gaps(positions, nbytes, planes)
-    zstd_blob = zstd_compress(planes)
-    rice_blob = rice_encode(np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1))
+    return zstd_compress(planes), nbytes
+
+
+def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
+    """Gaps between positions as a Rice code (near the entropy when changes are spread out) or
+    zstd'd byte planes (better when they cluster), whichever is smaller: decided on the first
+    changes when there are many, so only the winner is computed in full."""
+    gaps = np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1)
+    if positions.shape[0] > 4 * SAMPLE:
+        rice_wins = len(rice_encode(gaps[:SAMPLE])) <= len(_gap_planes(positions[:SAMPLE])[0])
+        return (rice_encode(gaps), 0, "rice") if rice_wins else (*_gap_planes(positions), "zstd")
+    rice_blob, (zstd_blob, nbytes) = rice_encode(gaps), _gap_planes(positions)
     return (rice_blob, 0, "rice") if len(rice_blob) < len(zstd_blob) else (zstd_blob, nbytes, "zstd")
 
 

@@ -135,12 +135,15 @@ def rice_encode(x: np.ndarray) -> bytes:
     from . import kernels
 
     x = np.ascontiguousarray(x, dtype=np.uint64)
-    mean = float(x.mean()) if x.shape[0] else 0.0
+    s = x[:: max(1, x.shape[0] // 65536)]  # k is chosen on a sample; the code is exact anyway
+    mean = float(s.mean()) if s.shape[0] else 0.0
     k0 = max(0, int(np.log2(max(mean * 0.69, 1.0))))
-    sizes = {k: int(np.minimum(x >> np.uint64(k), kernels.RICE_ESCAPE).sum()) + x.shape[0] * (k + 1)
+    sizes = {k: int(np.minimum(s >> np.uint64(k), kernels.RICE_ESCAPE).sum()) + s.shape[0] * (k + 1)
              for k in range(min(max(0, k0 - 1), 56), min(57, k0 + 2))}
     k = min(sizes, key=sizes.get)
-    out = np.zeros(sizes[k] // 8 + 9 * int((x >> np.uint64(k) >= kernels.RICE_ESCAPE).sum()) + 2, dtype=np.uint8)
+    q = x >> np.uint64(k)
+    bits = int(np.minimum(q, kernels.RICE_ESCAPE).sum()) + x.shape[0] * (k + 1)
+    out = np.zeros(bits // 8 + 9 * int((q >= kernels.RICE_ESCAPE).sum()) + 2, dtype=np.uint8)
     n = kernels.rice_pack(x, k, out)
     return bytes([k]) + out[:n].tobytes()
 
