@@ -1,0 +1,69 @@
+"""A server as a child process on loopback: started, waited for, stopped.
+
+The demo, the benchmarks and the tests all run the project's servers as real processes; this is
+the one way they do it. Output goes to a file, never a pipe (a full pipe would block the server).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``cmd`` serving on ``127.0.0.1:port``; ready once ``GET /health`` answers 200."""
+
+    def __init__(self, cmd: Sequence[str], *, port: int, log_path: Path,
+                 env: Mapping[str, str] | None = None):
+        self.port, self.log_path = port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(list(cmd), cwd=REPO, env={**os.environ, **(env or {})},
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 300.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args[2:3]} exited with {self.proc.returncode}:\n"
+                                   f"{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"not healthy after {timeout:.0f}s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
