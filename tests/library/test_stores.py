@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -11,16 +10,11 @@ import httpx
 import pytest
 
 from shared.chain import Chain, reconstruct
+from shared.process import free_port
 from shared.stores import open_store
 
 from .helpers import same_bits
 from .test_chain import publish_chain
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
