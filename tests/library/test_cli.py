@@ -103,3 +103,22 @@ def test_push_pull_log(tiny_model_dir, tmp_path):
     assert [(o.base_version, o.version) for o in chain.plan(1, 4)] == [(1, 4)]
     run("pull", store, "-o", tmp_path / "p4.safetensors")
     assert state_digest(load_state(tmp_path / "p4.safetensors")) == state_digest(states[1])
+
+
+def test_sharded_checkpoint_folder(tiny_model_dir, tmp_path):
+    """A model folder with an index and several shards reads as one checkpoint."""
+    state = load_state(tiny_model_dir)
+    names = sorted(state)
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_state({k: state[k] for k in keys}, folder / shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}))
+    assert run("digest", folder).stdout.strip() == state_digest(state)
+    new = perturb(state, 0.01, 7)
+    save_state(new, tmp_path / "new.safetensors")
+    run("diff", folder, tmp_path / "new.safetensors", "-o", tmp_path / "d.safetensors")
+    run("apply", folder, tmp_path / "d.safetensors", "-o", tmp_path / "out.safetensors")
+    assert state_digest(load_state(tmp_path / "out.safetensors")) == state_digest(new)
