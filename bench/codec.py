@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
 import resource
 import statistics
 import time
@@ -241,10 +242,9 @@ def main() -> None:
     ap.add_argument("--large", action="store_true", help="also an ~800M-parameter case")
     a = ap.parse_args()
     results = []
-    ctx = mp.get_context("spawn")
     for case in cases(a.quick, a.large):
-        with ctx.Pool(1) as pool:
-            results.append(pool.apply(run_case, (case,)))
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:  # peak RSS per case
+            results.append(pool.submit(run_case, case).result())
     report(results)
     path = write_json("codec", {"results": results})
     plot(results)
