@@ -98,6 +98,11 @@ class AnchorPolicy:
         return delta_bytes_since_anchor > self.catchup_fraction * anchor_bytes
 
 
+def _check(ref: ObjectRef, size: int, digest: str) -> None:
+    if size != ref.size or digest != ref.blake3:
+        raise DeltaError("corrupt", f"{ref.key}: {size} bytes that do not match the manifest")
+
+
 def ref_for(kind: Literal["anchor", "delta"], header: Header, key: str, data: bytes | Path) -> ObjectRef:
     if isinstance(data, bytes):
         size, digest = len(data), blake3.blake3(data).hexdigest()
@@ -145,8 +150,7 @@ class Chain:
         if ref.key is None:
             raise DeltaError("missing", f"v{ref.version} is the external checkpoint {ref.external!r}")
         data = self.store.get(ref.key)
-        if len(data) != ref.size or blake3.blake3(data).hexdigest() != ref.blake3:
-            raise DeltaError("corrupt", f"{ref.key}: {len(data)} bytes that do not match the manifest")
+        _check(ref, len(data), blake3.blake3(data).hexdigest())
         return data
 
     def fetch(self, ref: ObjectRef) -> DeltaFile:
@@ -162,9 +166,11 @@ class Chain:
         size = path.stat().st_size
         digest = (blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(str(path)) if size
                   else blake3.blake3()).hexdigest()
-        if size != ref.size or digest != ref.blake3:
+        try:
+            _check(ref, size, digest)
+        except DeltaError:
             path.unlink(missing_ok=True)
-            raise DeltaError("corrupt", f"{ref.key}: {size} bytes that do not match the manifest")
+            raise
         return path
 
     def plan(self, from_version: int | None, to_version: int,

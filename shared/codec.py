@@ -113,6 +113,11 @@ class Header(BaseModel):
         return sum(e.numel * TORCH_DTYPES[e.dtype].itemsize for e in self.tensors.values())
 
 
+def entries_digest(entries: Mapping[str, TensorEntry]) -> str:
+    """The state digest a header's tensor entries add up to."""
+    return state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
+
+
 def chain_commitment(base_commitment: str, state_digests: list[str]) -> str:
     c = base_commitment
     for sd in state_digests:
@@ -400,7 +405,7 @@ def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_vers
                 base_commitment: str, base_state_digest: str = "",
                 via: list[str] = ()) -> tuple[Header, dict[str, torch.Tensor]]:
     entries = {n: e.entry for n, e in encoded.items()}
-    sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
+    sd = entries_digest(entries)
     header = Header(kind="delta", version=version, base_version=base_version,
                     base_commitment=base_commitment, base_state_digest=base_state_digest, via=list(via),
                     commitment=chain_commitment(base_commitment, [*via, sd]),
@@ -445,7 +450,7 @@ def anchor_header(state: Mapping[str, torch.Tensor], *, version: int,
     digests = digests or {n: tensor_digest(t) for n, t in state.items()}
     entries = {n: TensorEntry(dtype=dtype_name(t.dtype), shape=list(t.shape), digest=digests[n],
                               changed=t.numel(), encoding="full") for n, t in sorted(state.items())}
-    sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
+    sd = entries_digest(entries)
     return Header(kind="anchor", version=version, base_version=base_version,
                   base_commitment=base_commitment, via=list(via),
                   commitment=chain_commitment(base_commitment, [*via, sd]),
@@ -472,7 +477,7 @@ def _parse_header(raw: bytes) -> Header:
         raise DeltaError("format", f"unreadable header: {str(e).splitlines()[0]}") from None
     if header.format_version != FORMAT_VERSION:
         raise DeltaError("format", f"format version {header.format_version} is not supported")
-    sd = state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in header.tensors.items()})
+    sd = entries_digest(header.tensors)
     if sd != header.state_digest:
         raise DeltaError("corrupt", "header's tensor digests do not add up to its state digest")
     if header.commitment != chain_commitment(header.base_commitment, [*header.via, header.state_digest]):
