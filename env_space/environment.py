@@ -1,12 +1,16 @@
 """The OpenEnv ``Environment`` that presents a Wordle game the way TextArena does.
 
 The game rules live in ``env_space.wordle``; this module only turns moves into
-TextArena-shaped observations: a ``PROMPT`` message at reset, then for every
-move the player's own text (``PLAYER_ACTION``) followed by the game's answer --
-``GAME_MESSAGE`` with ``Feedback:`` and a row of G/Y/X for an accepted guess,
-``GAME_ADMIN`` for invalid moves and for the end of the game. The message list
-is the whole conversation so far, which is what TRL's Wordle example turns
-into the next prompt.
+observations laid out as OpenEnv's TextArena Wordle server lays them out, since
+TRL's Wordle example depends on it: ``messages`` is always ONE message whose
+``content`` is the whole conversation so far, each entry rendered as
+``"\n[GAME] " + text`` (TextArena's LLM observation wrapper). Text is only ever
+appended, so the example's ``content[len(previous):]`` is exactly the game's
+answer to the last move: the echoed move, then ``Feedback:`` with a row of
+G/Y/X for an accepted guess, or "You attempted an invalid move. ..." for a
+rejected one, and the end-of-game line. The entries themselves, with
+TextArena's categories (``PROMPT``, ``PLAYER_ACTION``, ``GAME_MESSAGE``,
+``GAME_ADMIN``), stay on the server (:attr:`WordleEnvironment.entries`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from env_space.wordle import (
 )
 from env_space.words import WORD_LENGTH, load_word_lists
 
+# What TextArena's server calls the one merged message of a rendered conversation.
+TRANSCRIPT_CATEGORY = "MESSAGE"
 # Echoed player text is capped so a model that rambles cannot bloat every later observation.
 MAX_ECHO_CHARS = 300
 
@@ -84,7 +90,7 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
         self._words = load_word_lists()
         self._max_invalid_moves = max_invalid_moves
         self._game: WordleGame | None = None
-        self._messages: list[WordleMessage] = []
+        self._entries: list[WordleMessage] = []
         self._state = WordleState(max_turns=MAX_GUESSES)
         self._closed = False
 
@@ -100,7 +106,7 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
         target = target_for_seed(seed, self._words.answers)
         self._game = WordleGame(target=target, words=self._words, max_invalid_moves=self._max_invalid_moves)
         prompt = game_prompt()
-        self._messages = [WordleMessage(sender_id=GAME_SENDER_ID, content=prompt, category="PROMPT")]
+        self._entries = [WordleMessage(sender_id=GAME_SENDER_ID, content=prompt, category="PROMPT")]
         self._state = WordleState(
             episode_id=episode_id or str(uuid.uuid4()),
             step_count=0,
@@ -125,10 +131,10 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
         except GameOverError as exc:  # pragma: no cover - guarded above
             raise EpisodeFinishedError(str(exc)) from exc
 
-        self._messages.append(
+        self._entries.append(
             WordleMessage(sender_id=PLAYER_ID, content=_clip(action.message), category="PLAYER_ACTION")
         )
-        self._messages.extend(self._game_messages(result))
+        self._entries.extend(self._game_messages(result))
         info = self._info(result)
 
         self._state.step_count += 1
@@ -159,6 +165,16 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
     # -- helpers -----------------------------------------------------------------
 
     @property
+    def entries(self) -> list[WordleMessage]:
+        """The conversation entry by entry, with TextArena's categories."""
+        return list(self._entries)
+
+    @property
+    def transcript(self) -> str:
+        """The conversation as TextArena renders it for an LLM: ``"\n[GAME] " + text`` per entry."""
+        return "".join(f"\n[GAME] {e.content}" for e in self._entries)
+
+    @property
     def game(self) -> WordleGame | None:
         """The running game, for the in-process web page."""
         return self._game
@@ -171,8 +187,9 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
 
     def _observation(self, *, reward: float, done: bool, info: dict[str, Any]) -> WordleObservation:
         return WordleObservation(
-            prompt=self._messages[0].content,
-            messages=list(self._messages),
+            prompt=self._entries[0].content,
+            messages=[WordleMessage(sender_id=GAME_SENDER_ID, content=self.transcript,
+                                    category=TRANSCRIPT_CATEGORY)],
             info=info,
             reward=reward,
             done=done,

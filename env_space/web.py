@@ -58,7 +58,7 @@ def _status(env: WordleEnvironment | None, obs: WordleObservation | None = None)
     else:
         # The game's reply to the last move: the messages after the echoed player text.
         replies: list[str] = []
-        for msg in reversed(obs.messages):
+        for msg in reversed(env.entries):
             if msg.category == "PLAYER_ACTION":
                 break
             replies.append(msg.content)

@@ -104,11 +104,20 @@ class DeltaPublisher:
         self.version, self.commitment = self._genesis(external_base)
 
     # ------------------------------------------------------------------ public
-    def publish(self) -> PublishReport:
-        """Encode the change since the last version and queue its upload; returns its report."""
+    def publish(self, state: Mapping[str, torch.Tensor] | None = None) -> PublishReport:
+        """Encode the change since the last version and queue its upload; returns its report.
+
+        ``state`` gives this version's tensors when the live tensors are not the ones the
+        publisher was built on (a trainer that hands out fresh views or gathered shards per sync);
+        it must hold the same names, shapes and dtypes.
+        """
         t0 = time.perf_counter()
         version = self.version + 1
-        live = self._live()
+        live = self._live() if state is None else dict(state)
+        if live.keys() != self._snapshot.keys():
+            missing, extra = self._snapshot.keys() - live.keys(), live.keys() - self._snapshot.keys()
+            raise ValueError(f"publish() needs the same tensors every version: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(extra)[:5]}")
         with torch.no_grad():
             encoded = encode_state(self._snapshot, lambda n: self._cast(live[n]), update=True,
                                    compact=self.compact)

@@ -24,10 +24,12 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen3's chat and tool-call markers, so a real Qwen3 chat template (trl's) renders to single tokens.
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+           "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
-def build_tokenizer(out: Path, vocab_size: int) -> int:
+def build_tokenizer(out: Path, vocab_size: int, chat_template: str = CHAT_TEMPLATE) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -41,7 +43,7 @@ def build_tokenizer(out: Path, vocab_size: int) -> int:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "unk_token": None, "model_max_length": 4096, "chat_template": CHAT_TEMPLATE,
+        "unk_token": None, "model_max_length": 4096, "chat_template": chat_template,
     }, indent=2))
     return tok.get_vocab_size()
 
@@ -49,14 +51,14 @@ def build_tokenizer(out: Path, vocab_size: int) -> int:
 def build_tiny_model(out: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 2,
                      kv_heads: int = 1, head_dim: int = 32, intermediate: int = 128,
                      vocab_size: int = 512, tie_word_embeddings: bool = True,
-                     seed: int = 0) -> Path:
+                     seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write a Qwen3 model folder; the same arguments always give the same bytes."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    n_vocab = build_tokenizer(out, vocab_size)
+    n_vocab = build_tokenizer(out, vocab_size, chat_template)
     config = Qwen3Config(
         vocab_size=n_vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

@@ -126,7 +126,7 @@ def test_body_just_under_the_limit_is_accepted(http, session_id: str) -> None:
     assert resp.status_code == 200
     body = resp.json()
     assert body["observation"]["info"]["invalid_reason"] == "malformed"
-    echoed = body["observation"]["messages"][-2]["content"]
+    echoed = body["observation"]["messages"][0]["content"].split("\n[GAME] ")[-2]
     assert len(echoed) <= 300  # the echo is clipped so observations stay small
 
 

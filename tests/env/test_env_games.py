@@ -24,15 +24,18 @@ def test_winning_game(server, client_cls) -> None:
         obs = result.observation
         assert not result.done
         assert obs.prompt.startswith("You are Playing Wordle.")
-        assert [(m.category, m.sender_id) for m in obs.messages] == [("PROMPT", -1)]
+        # TextArena's layout: one message, the whole conversation rendered "\n[GAME] <entry>".
+        assert [(m.category, m.sender_id) for m in obs.messages] == [("MESSAGE", -1)]
+        assert obs.messages[0].content == "\n[GAME] " + obs.prompt
 
         result = env.step(WordleAction(message=f"I will try [{opener}]"))
         expected = marks_to_str(score_guess(opener, target))
         assert not result.done
         assert result.observation.info["feedback"] == expected
-        last = result.observation.messages[-1]
-        assert last.category == "GAME_MESSAGE" and last.sender_id == -1
-        assert f"You submitted [{opener}].\nFeedback:\n" in last.content
+        (last,) = result.observation.messages
+        assert last.content.startswith(obs.messages[0].content)  # text is only ever appended
+        assert last.content.endswith(f"\n[GAME] I will try [{opener}]\n[GAME] You submitted [{opener}].\nFeedback:\n"
+                                     f"{' '.join(opener.upper())}\n{' '.join(expected)}\nYou have 5 guesses left.")
         assert " ".join(expected) in last.content
         assert "You have 5 guesses left." in last.content
         # TRL's Wordle example reads greens/yellows straight from these messages.
@@ -46,16 +49,9 @@ def test_winning_game(server, client_cls) -> None:
 
         result = env.step(WordleAction(message=f"[{target}]"))
         assert result.done and result.reward == DEFAULT_REWARDS.win
-        categories = [m.category for m in result.observation.messages]
-        assert categories == [
-            "PROMPT",
-            "PLAYER_ACTION",
-            "GAME_MESSAGE",
-            "PLAYER_ACTION",
-            "GAME_MESSAGE",
-            "GAME_ADMIN",
-        ]
-        assert "Congratulations" in result.observation.messages[-1].content
+        entries = result.observation.messages[0].content.split("\n[GAME] ")
+        assert entries[0] == "" and len(entries) == 7  # prompt, then move + answer twice, then the end
+        assert entries[-3] == f"[{target}]" and entries[-1].startswith("Congratulations")
 
         state = env.state()
         assert state.env_id == "Wordle-v0" and state.step_count == 2 and state.turn == 2
@@ -79,8 +75,8 @@ def test_losing_game_with_invalid_moves(server, client_cls) -> None:
             result = env.step(WordleAction(message=bad))
             assert not result.done and result.reward == DEFAULT_REWARDS.invalid
             assert result.observation.info["invalid_reason"] == reason
-            assert result.observation.messages[-1].category == "GAME_ADMIN"
-            assert "invalid move" in result.observation.messages[-1].content
+            newest = result.observation.messages[0].content.rsplit("\n[GAME] ", 2)
+            assert newest[-2] == bad and newest[-1].startswith("You attempted an invalid move. Reason: ")
 
         env.step(WordleAction(message=f"[{guesses[0]}]"))
         repeat = env.step(WordleAction(message=f"[{guesses[0]}]"))
