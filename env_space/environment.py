@@ -15,6 +15,7 @@ TextArena's categories (``PROMPT``, ``PLAYER_ACTION``, ``GAME_MESSAGE``,
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any
 
@@ -25,6 +26,7 @@ from env_space import __version__
 from env_space.models import (
     ENV_ID,
     GAME_SENDER_ID,
+    GameStats,
     PLAYER_ID,
     WordleAction,
     WordleMessage,
@@ -46,6 +48,26 @@ from env_space.words import WORD_LENGTH, load_word_lists
 TRANSCRIPT_CATEGORY = "MESSAGE"
 # Echoed player text is capped so a model that rambles cannot bloat every later observation.
 MAX_ECHO_CHARS = 300
+
+
+class _Tally:
+    """Counts over every session of the process, for ``GET /stats`` (a trainer's monitor reads it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = GameStats()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for key, n in counts.items():
+                setattr(self._stats, key, getattr(self._stats, key) + n)
+
+    def snapshot(self) -> GameStats:
+        with self._lock:
+            return self._stats.model_copy()
+
+
+TALLY = _Tally()
 
 
 class EpisodeNotStartedError(RuntimeError):
@@ -113,6 +135,7 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
             max_turns=MAX_GUESSES,
         )
         self._state.raw_state = self._raw_state()
+        TALLY.add(games_started=1)
         return self._observation(reward=0.0, done=False, info={})
 
     def step(
@@ -136,6 +159,8 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
         )
         self._entries.extend(self._game_messages(result))
         info = self._info(result)
+        TALLY.add(guesses=int(result.invalid is None), invalid_moves=int(result.invalid is not None),
+                  games_won=int(result.won), games_lost=int(result.done and not result.won))
 
         self._state.step_count += 1
         self._state.turn = len(self._game.history)

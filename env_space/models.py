@@ -94,6 +94,16 @@ class HTTPCloseResponse(BaseModel):
     closed: bool = True
 
 
+class GameStats(BaseModel):
+    """``GET /stats``: what every session of this server has played since it started."""
+
+    games_started: int = 0
+    games_won: int = 0
+    games_lost: int = 0
+    guesses: int = 0  # accepted guesses
+    invalid_moves: int = 0
+
+
 class ErrorResponse(BaseModel):
     """Body of every 4xx/5xx the Wordle routes return."""
 

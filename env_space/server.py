@@ -36,6 +36,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from env_space import __version__
 from env_space.environment import (
+    TALLY,
     EpisodeFinishedError,
     EpisodeNotStartedError,
     SessionExpiredError,
@@ -43,6 +44,7 @@ from env_space.environment import (
 )
 from env_space.models import (
     ErrorResponse,
+    GameStats,
     HTTPCloseRequest,
     HTTPCloseResponse,
     HTTPResetRequest,
@@ -387,6 +389,10 @@ def _add_session_routes(app: FastAPI, server: WordleHTTPServer) -> None:
     )
     async def sessions() -> ServerCapacityStatus:
         return server.get_capacity_status()
+
+    @app.get("/stats", response_model=GameStats, tags=["Health"], summary="Games played since start")
+    async def stats() -> GameStats:
+        return TALLY.snapshot()
 
     @app.get("/schema", response_model=SchemaResponse, tags=["Schema"], summary="JSON schemas")
     async def schema() -> SchemaResponse:

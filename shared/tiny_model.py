@@ -8,6 +8,7 @@ LLM-like scales, so the bf16 statistics of training steps on them resemble a rea
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 CORPUS = [
@@ -29,7 +30,8 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
            "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
-def build_tokenizer(out: Path, vocab_size: int, chat_template: str = CHAT_TEMPLATE) -> int:
+def build_tokenizer(out: Path, vocab_size: int, chat_template: str = CHAT_TEMPLATE,
+                    corpus: Sequence[str] = ()) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -38,7 +40,7 @@ def build_tokenizer(out: Path, vocab_size: int, chat_template: str = CHAT_TEMPLA
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator([*CORPUS, *corpus] * 4, trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -51,14 +53,17 @@ def build_tokenizer(out: Path, vocab_size: int, chat_template: str = CHAT_TEMPLA
 def build_tiny_model(out: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 2,
                      kv_heads: int = 1, head_dim: int = 32, intermediate: int = 128,
                      vocab_size: int = 512, tie_word_embeddings: bool = True,
-                     seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """Write a Qwen3 model folder; the same arguments always give the same bytes."""
+                     seed: int = 0, chat_template: str = CHAT_TEMPLATE, corpus: Sequence[str] = ()) -> Path:
+    """Write a Qwen3 model folder; the same arguments always give the same bytes.
+
+    ``corpus`` adds tokenizer training text, so prompts a test or demo sends often are short.
+    """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    n_vocab = build_tokenizer(out, vocab_size, chat_template)
+    n_vocab = build_tokenizer(out, vocab_size, chat_template, corpus)
     config = Qwen3Config(
         vocab_size=n_vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

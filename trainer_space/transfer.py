@@ -41,14 +41,17 @@ class DeltaSyncTransfer:
 
     ``base`` is the checkpoint the replicas were started on (a folder or Hub id): version 0.
     ``on_report`` sees every finished version (uploaded and announced, or failed), from the
-    upload thread; the monitoring UI is such a callback.
+    upload thread; the monitoring UI is such a callback. ``after_sync(version)`` runs in
+    ``resume()`` once every replica serves the version (e.g. to check their live digests).
     """
 
     def __init__(self, store: str, replicas: Sequence[str], *, base: str, token: str | None = None,
                  ready_timeout_s: float = 600.0, compact: bool = False,
-                 on_report: Callable[[PublishReport], None] | None = None):
+                 on_report: Callable[[PublishReport], None] | None = None,
+                 after_sync: Callable[[int], None] | None = None):
         self.store, self.replicas, self.base, self.token = store, list(replicas), base, token
         self.ready_timeout_s, self.compact, self.on_report = ready_timeout_s, compact, on_report
+        self.after_sync = after_sync
         self.publisher: DeltaPublisher | None = None
         self.timings: list[dict[str, float]] = []  # per sync: encode_s, wait_s (what trl waited in resume)
         self._pending: PublishReport | None = None
@@ -95,6 +98,8 @@ class DeltaSyncTransfer:
                   if answer.get("version") != report.version}
         if behind:
             raise ReplicaLagError(f"v{report.version} is not served by {sorted(behind)}: {behind}")
+        if self.after_sync is not None:
+            self.after_sync(report.version)
 
     def destroy(self) -> None:
         if self.publisher is not None:
