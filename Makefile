@@ -9,7 +9,7 @@ $(SETUP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 
 demo: $(SETUP)  ## the main job on embedded defaults: local-folder bucket, tiny local model, vLLM on CPU
-	$(PY) -m trainer_space.demo
+	$(PY) -m trainer_space --local --max-steps 20 --run-dir runs/demo --ui --host 127.0.0.1 --port 7860
 
 test: $(SETUP)
 	$(PY) -m pytest -q

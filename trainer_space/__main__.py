@@ -3,8 +3,8 @@
     python -m trainer_space [--host H] [--port 7860]
         The Space's entry: the Gradio page. Run defaults come from the environment a Space sets:
         DELTASYNC_MODEL, DELTASYNC_STORE, DELTASYNC_REPLICAS (comma-separated), DELTASYNC_ENV_URL,
-        DELTASYNC_TOKEN (the replicas' update token) and DELTASYNC_TRAINER_TOKEN (asked for by
-        Start and Stop).
+        DELTASYNC_TOKEN (the replicas' update token), DELTASYNC_OUTPUT_DIR and
+        DELTASYNC_TRAINER_TOKEN (asked for by Start and Stop).
 
     python -m trainer_space --local --max-steps N --run-dir DIR [--ui]
         The embedded defaults: builds a small Wordle policy in DIR/model, starts the env Space
@@ -50,13 +50,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def serve(settings: RunSettings, host: str, port: int, *, token: str | None, monitor: Monitor | None = None,
           block: bool = True):
+    """The page at ``/`` and ``GET /health`` (for a Space's HEALTHCHECK and for tests) on one port."""
+    import gradio as gr
+    import uvicorn
+    from fastapi import FastAPI
+
     from .ui import Session, build
 
     session = Session(settings, token=token, monitor=monitor)
     if monitor is not None:
         session.status = "running (started from the command line)"
-    page = build(session)
-    page.queue().launch(server_name=host, server_port=port, prevent_thread_lock=not block, show_error=True)
+    app = FastAPI(title="DeltaSync trainer")
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "run": session.status}
+
+    app = gr.mount_gradio_app(app, build(session).queue(), path="/")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    if block:
+        server.run()
+    else:
+        threading.Thread(target=server.run, name="trainer-ui", daemon=True).start()
     return session
 
 
@@ -65,7 +80,8 @@ def space_defaults() -> RunSettings:
     return RunSettings(model=env.get("DELTASYNC_MODEL", "Qwen/Qwen3-0.6B"),
                        store=env.get("DELTASYNC_STORE", ""),
                        replicas=[u for u in env.get("DELTASYNC_REPLICAS", "").split(",") if u],
-                       env_url=env.get("DELTASYNC_ENV_URL", ""), token=env.get("DELTASYNC_TOKEN"))
+                       env_url=env.get("DELTASYNC_ENV_URL", ""), token=env.get("DELTASYNC_TOKEN"),
+                       output_dir=env.get("DELTASYNC_OUTPUT_DIR", "runs/trainer"))
 
 
 def print_rows(console: Console, rows: list[dict], replicas: list[str]) -> None:

@@ -9,23 +9,6 @@ from wordle_helpers import answer_for, wrong_guesses
 
 from env_space.wordle import marks_to_str, score_guess
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)"
-)
-
-
 def _row_marks(page, row: int) -> str:
     tiles = page.locator(f'#wordle-board [data-row="{row}"] .wordle-tile')
     return "".join(
@@ -34,7 +17,7 @@ def _row_marks(page, row: int) -> str:
     )
 
 
-def test_play_one_game_in_the_browser(server, tmp_path: Path) -> None:
+def test_play_one_game_in_the_browser(server, chromium: dict, tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     seed = 4242
@@ -43,7 +26,7 @@ def test_play_one_game_in_the_browser(server, tmp_path: Path) -> None:
 
     expect.set_options(timeout=30_000)  # a loaded 2-core CI box can be slow to round-trip
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        browser = p.chromium.launch(**chromium)
         try:
             page = browser.new_page()
             page.set_default_timeout(30_000)
