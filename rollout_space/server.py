@@ -133,6 +133,23 @@ def create_app(args: Namespace) -> FastAPI:
         listing = await raw_request.app.state.openai_serving_models.show_available_models()
         return JSONResponse(listing.model_dump())
 
+    @app.get("/server_info")
+    async def server_info(raw_request: Request, config_format: Annotated[str, Query()] = "text"):
+        """vLLM's resolved config, as ``vllm serve`` reports it (trl reads ``model_config.dtype``,
+        ``lora_config`` and ``parallel_config``); vLLM's environment and host details are left out."""
+        import pydantic
+        from vllm.config import VllmConfig
+
+        config = replica.engine.vllm_config
+        dumped = str(config) if config_format == "text" else \
+            pydantic.TypeAdapter(VllmConfig).dump_python(config, mode="json", fallback=str)
+        return JSONResponse({"vllm_config": dumped})
+
+    @app.get("/get_world_size")
+    async def get_world_size():
+        parallel = replica.engine.vllm_config.parallel_config
+        return JSONResponse({"world_size": parallel.world_size_across_dp})
+
     # ------------------------------------------------------------------ weight sync
     @app.post("/update", dependencies=[Auth], response_model=UpdateResponse)
     async def update(raw_request: Request, wait: Annotated[bool, Query()] = True,
