@@ -8,8 +8,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_trl_vllm_client_against_a_rollout_space(services):
+    from accelerate.state import PartialState
     from trl.experimental.async_grpo.vllm_client import VLLMClient
 
+    PartialState()  # trl's client logs through accelerate, which needs its state (trl's trainer makes it)
     client = VLLMClient(services.rollout.url, server_timeout=60)
     client.wait_for_server_ready(poll_interval_s=0.2)
     assert client.get_max_model_len() == 2048
