@@ -10,7 +10,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -22,6 +22,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float, *, check: Callable[[], None] = lambda: None) -> None:
+    """Poll ``GET {url}/health`` until it answers 200; ``check`` runs before each try and may raise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        check()
+        try:
+            if httpx.get(f"{url.rstrip('/')}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
 
 
 class ServerProcess:
@@ -39,19 +53,17 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 300.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def alive() -> None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.proc.args[2:3]} exited with {self.proc.returncode}:\n"
                                    f"{self.log()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"not healthy after {timeout:.0f}s:\n{self.log()[-4000:]}")
+
+        try:
+            wait_healthy(self.url, timeout, check=alive)
+        except TimeoutError:
+            self.stop()
+            raise TimeoutError(f"not healthy after {timeout:.0f}s:\n{self.log()[-4000:]}") from None
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -18,6 +18,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import threading
@@ -84,15 +85,17 @@ def space_defaults() -> RunSettings:
                        output_dir=env.get("DELTASYNC_OUTPUT_DIR", "runs/trainer"))
 
 
-def print_rows(console: Console, rows: list[dict], replicas: list[str]) -> None:
+def print_rows(console: Console, rows: list[dict]) -> None:
     table = Table(title="one row per version: every replica must serve exactly the trainer's weights")
     for col in ("version", "reward", "changed", "payload B", "dense B", "encode ms", "pause ms", "games", "exact"):
         table.add_column(col, justify="right")
+    def fmt(value, spec: str, scale: float = 1.0) -> str:
+        return "-" if value is None else format(value * scale, spec)
+
     for r in rows:
-        fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
-        table.add_row(str(r["version"]), fmt(r["reward"], "{:.3f}"), f"{r['changed_fraction']:.2%}",
-                      f"{r['payload_bytes']:,}", f"{r['dense_bytes']:,}", fmt(r["encode_s"] and r["encode_s"] * 1e3, "{:.1f}"),
-                      fmt(r["pause_s"] and r["pause_s"] * 1e3, "{:.1f}"), fmt(r["games"], "{}"),
+        table.add_row(str(r["version"]), fmt(r["reward"], ".3f"), f"{r['changed_fraction']:.2%}",
+                      f"{r['payload_bytes']:,}", f"{r['dense_bytes']:,}", fmt(r["encode_s"], ".1f", 1e3),
+                      fmt(r["pause_s"], ".1f", 1e3), fmt(r["games"], ".0f"),
                       {True: "[green]exact[/]", False: "[red]MISMATCH[/]", None: "-"}[r["exact"]])
     console.print(table)
 
@@ -144,8 +147,6 @@ def run_local(a: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     with console.status("building the local Wordle policy…"):
         model = build_policy(run_dir / "model")
-    import shutil
-
     shutil.rmtree(run_dir / "bucket", ignore_errors=True)
     with console.status("starting the env Space and a vLLM rollout Space (CPU)…"), \
             LocalServices(run_dir, model) as services:
@@ -159,7 +160,7 @@ def run_local(a: argparse.Namespace) -> int:
             console.print(f"[bold]monitoring UI:[/] http://{a.host if a.host not in ('0.0.0.0', '') else '127.0.0.1'}:{a.port}")
         transfer = run(settings, monitor, threading.Event())
         monitor.refresh()
-    print_rows(console, [r for r in monitor.rows() if r["version"] > 0], settings.replicas)
+    print_rows(console, [r for r in monitor.rows() if r["version"] > 0])
     exact = report(run_dir, monitor, settings.replicas, transfer.timings)
     console.print(("[bold green]every version served bit-exactly[/]" if exact else
                    "[bold red]a version was not served exactly[/]") +

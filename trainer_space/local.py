@@ -95,6 +95,16 @@ def build_policy(out: Path, *, hidden: int = 128, layers: int = 2, warmup_steps:
     return out
 
 
+class EnvServer(ServerProcess):
+    """The Wordle env Space (``python -m env_space``) on a free loopback port, logging to ``log_path``."""
+
+    def __init__(self, log_path: Path):
+        port = free_port()
+        super().__init__([sys.executable, "-m", "env_space", "--host", "127.0.0.1", "--port", str(port),
+                          "--no-web", "--log-level", "warning"],
+                         port=port, log_path=log_path, env={"GRADIO_ANALYTICS_ENABLED": "False"})
+
+
 @dataclass
 class LocalServices:
     """The env Space and one rollout Space as child processes; a context manager."""
@@ -103,7 +113,7 @@ class LocalServices:
     model: Path
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     rollout_args: list[str] = field(default_factory=lambda: list(ROLLOUT_ARGS))
-    env: ServerProcess | None = None
+    env: EnvServer | None = None
     rollout: Replica | None = None
 
     @property
@@ -112,11 +122,7 @@ class LocalServices:
 
     def __enter__(self) -> LocalServices:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        self.env = ServerProcess([sys.executable, "-m", "env_space", "--host", "127.0.0.1", "--port", str(port),
-                                  "--no-web", "--log-level", "warning"],
-                                 port=port, log_path=self.run_dir / "env.log",
-                                 env={"GRADIO_ANALYTICS_ENABLED": "False"})
+        self.env = EnvServer(self.run_dir / "env.log")
         self.rollout = Replica(self.model, self.store, token=self.token, log_path=self.run_dir / "rollout.log",
                                extra=["--work-dir", str(self.run_dir / "rollout-objects"), *self.rollout_args],
                                env={"VLLM_CACHE_ROOT": str(self.run_dir / "vllm-cache"),

@@ -43,27 +43,20 @@ class RunSettings(BaseModel):
     verify: bool = Field(default=True, description="check every replica's live digest after each sync")
 
 
-class _Reporter:
+def _callback(monitor: Monitor, stop: threading.Event):
     """trl callback: per-step logs to the monitor, and the UI's Stop button to trl."""
+    from transformers import TrainerCallback
 
-    def __init__(self, monitor: Monitor, stop: threading.Event):
-        self.monitor, self.stop = monitor, stop
+    class Reporter(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                monitor.on_step(state.global_step, logs)
 
-    def callback(self):
-        from transformers import TrainerCallback
+        def on_step_end(self, args, state, control, **kwargs):
+            if stop.is_set():
+                control.should_training_stop = True
 
-        outer = self
-
-        class Callback(TrainerCallback):
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs:
-                    outer.monitor.on_step(state.global_step, logs)
-
-            def on_step_end(self, args, state, control, **kwargs):
-                if outer.stop.is_set():
-                    control.should_training_stop = True
-
-        return Callback()
+    return Reporter()
 
 
 def make_transfer(settings: RunSettings, monitor: Monitor) -> DeltaSyncTransfer:
@@ -104,6 +97,6 @@ def run(settings: RunSettings, monitor: Monitor, stop: threading.Event | None = 
     trainer = AsyncGRPOTrainer(model=settings.model, args=args, train_dataset=dataset,
                                environment_factory=functools.partial(WordleGame, settings.env_url),
                                weight_transfer=transfer,
-                               callbacks=[_Reporter(monitor, stop or threading.Event()).callback()])
+                               callbacks=[_callback(monitor, stop or threading.Event())])
     trainer.train()
     return transfer

@@ -20,16 +20,13 @@ upload: ``pause()`` is a no-op and each replica pauses only for its in-place wri
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-import httpx
 import torch
 
+from shared.process import wait_healthy
 from shared.publisher import DeltaPublisher, PublishReport
-
-log = logging.getLogger("trainer_space.transfer")
 
 
 class ReplicaLagError(RuntimeError):
@@ -59,17 +56,8 @@ class DeltaSyncTransfer:
     # ------------------------------------------------------------------ trl's protocol
     def init_weight_transfer(self) -> None:
         """Wait until every replica answers ``/health``: the first sync must reach them."""
-        deadline = time.monotonic() + self.ready_timeout_s
         for url in self.replicas:
-            while True:
-                try:
-                    if httpx.get(f"{url.rstrip('/')}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"replica {url} not healthy after {self.ready_timeout_s:.0f}s")
-                time.sleep(0.5)
+            wait_healthy(url, self.ready_timeout_s)
 
     def pause(self) -> None:
         """Nothing to do: replicas keep generating while the delta is encoded and uploaded."""

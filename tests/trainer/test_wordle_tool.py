@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import pickle
-import sys
 from pathlib import Path
 
 import pytest
 
 from env_space.words import load_word_lists
-from shared.process import ServerProcess, free_port
+from trainer_space.local import EnvServer
 from trainer_space.wordle import INVALID_MOVE, WordleGame
 
 
 @pytest.fixture(scope="module")
 def env_url(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("env") / "env.log"
-    with ServerProcess([sys.executable, "-m", "env_space", "--host", "127.0.0.1", "--port", str(port), "--no-web"],
-                       port=port, log_path=log) as s:
-        s.wait_ready(120)
-        yield s.url
+    with EnvServer(tmp_path_factory.mktemp("env") / "env.log") as s:
+        yield s.wait_ready(120).url
 
 
 def test_feedback_is_the_text_each_move_appends(env_url: str):
