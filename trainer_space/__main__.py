@@ -113,7 +113,7 @@ def report(run_dir: Path, monitor: Monitor, replicas: list[str], timings: list[d
                "sync_wait_s": [t["wait_s"] for t in timings],
                "median_payload_bytes": statistics.median(r["payload_bytes"] for r in rows) if rows else None}
     (run_dir / "report.json").write_text(json.dumps(summary, indent=1))
-    plot(rows, monitor.snapshot()["steps"], run_dir / "report.png")
+    plot(rows, monitor.step_logs(), run_dir / "report.png")
     return exact
 
 

@@ -11,7 +11,6 @@ loss per optimizer step, and encode / upload times per version (``PublishReport`
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -173,11 +172,9 @@ class Monitor:
         with self._lock:
             return [self.versions[v].as_dict() for v in sorted(self.versions)]
 
+    def step_logs(self) -> list[dict]:
+        with self._lock:
+            return list(self.steps)
+
     def replica_views(self) -> list[ReplicaView]:
         return list(self.replicas.values())
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            steps = list(self.steps)
-        return {"versions": self.rows(), "steps": steps, "env": dict(self.env_stats),
-                "replicas": [asdict(v) for v in self.replica_views()], "time": time.time()}

@@ -71,34 +71,37 @@ def _urls(text: str) -> list[str]:
     return [u.strip() for u in (text or "").replace("\n", ",").split(",") if u.strip()]
 
 
-def frames(monitor: Monitor | None) -> dict[str, pd.DataFrame]:
-    """The plots' data, long format (x, y, series)."""
-    empty = pd.DataFrame({"x": [], "y": [], "series": []})
+def frames(monitor: Monitor | None) -> dict[str, pd.DataFrame | None]:
+    """The plots' data, long format (x, y, series); None where there is nothing to draw yet.
+
+    A plot must not be sent an empty frame: Gradio then types the ``series`` column as a
+    number and keeps drawing every later frame without its lines.
+    """
+    keys = ("train", "bytes", "changed", "times", "behind", "env")
     if monitor is None:
-        return {k: empty for k in ("train", "bytes", "changed", "times", "behind", "env")}
+        return dict.fromkeys(keys)
     monitor.refresh()
     rows = monitor.rows()
 
-    def long(items, x, series: dict[str, str], scale: float = 1.0) -> pd.DataFrame:
-        data = [{"x": r[x], "y": r[k] * scale, "series": name} for r in items for k, name in series.items()
-                if r.get(k) is not None]
-        return pd.DataFrame(data) if data else empty
+    def frame(data: list[dict]) -> pd.DataFrame | None:
+        return pd.DataFrame(data) if data else None
+
+    def long(items, x, series: dict[str, str], scale: float = 1.0) -> pd.DataFrame | None:
+        return frame([{"x": r[x], "y": r[k] * scale, "series": name} for r in items
+                      for k, name in series.items() if r.get(k) is not None])
 
     deltas = [r for r in rows if r["version"] > 0]
     latest = max((r["version"] for r in rows), default=0)
-    behind = pd.DataFrame([{"x": v.url, "y": latest - (v.version or 0), "series": v.status}
-                           for v in monitor.replica_views()]) if monitor.replicas else empty
-    env = pd.DataFrame([{"x": k.replace("_", " "), "y": v, "series": "env"} for k, v in monitor.env_stats.items()]) \
-        if monitor.env_stats else empty
     return {
-        "train": long(monitor.snapshot()["steps"], "step", {"reward": "reward", "loss": "loss"}),
+        "train": long(monitor.step_logs(), "step", {"reward": "reward", "loss": "loss"}),
         "bytes": long(deltas, "version", {"payload_bytes": "deltasync", "dense_bytes": "dense bf16",
                                           "int32_bf16_bytes": "int32 + bf16"}),
         "changed": long(deltas, "version", {"changed_fraction": "changed %"}, 100.0),
         "times": long(deltas, "version", {"encode_s": "encode", "upload_s": "upload", "stage_s": "stage",
                                           "pause_s": "pause"}, 1e3),
-        "behind": behind,
-        "env": env,
+        "behind": frame([{"x": v.url, "y": latest - (v.version or 0), "series": v.status}
+                         for v in monitor.replica_views()]),
+        "env": frame([{"x": k.replace("_", " "), "y": v, "series": "env"} for k, v in monitor.env_stats.items()]),
     }
 
 
@@ -191,9 +194,9 @@ def build(session: Session) -> gr.Blocks:
             return f"**status:** {session.attach(store, _urls(replicas), env_url)}"
 
         def tick():
-            f = frames(session.monitor)
-            return (f"**status:** {session.status}", replica_table(session.monitor), f["train"], f["bytes"],
-                    f["changed"], f["times"], f["behind"], f["env"], version_table(session.monitor))
+            plots = [gr.skip() if df is None else df for df in frames(session.monitor).values()]
+            return (f"**status:** {session.status}", replica_table(session.monitor), *plots,
+                    version_table(session.monitor))
 
         start.click(on_start, [model, store, replicas, env_url, steps, lr, gens, token], status)
         stop.click(on_stop, [token], status)

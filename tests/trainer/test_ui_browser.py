@@ -59,9 +59,13 @@ def test_start_a_run_and_watch_it(trainer_page: ServerProcess, services, chromiu
             # the base checkpoint, was served before the run and is not re-checked
             assert "MISMATCH" not in text and len(re.findall(r"\bexact\b", text)) == 1 + 3, text
             expect(page.locator("#replicas")).to_contain_text(re.compile(r"ready\s+3\s"))
-            # The plots drew something: Gradio renders each LinePlot as a vega canvas or svg.
-            for plot in ("#plot-bytes", "#plot-train", "#plot-times"):
-                expect(page.locator(f"{plot} canvas, {plot} svg").first).to_be_visible()
+            # The plots drew their series: Gradio renders each as a Vega SVG whose legend names them
+            # (a plot that lost its series shows axes and a colour bar, no names).
+            for plot, series in (("#plot-bytes", ("deltasync", "dense bf16", "int32 + bf16")),
+                                 ("#plot-train", ("reward", "loss")), ("#plot-times", ("encode", "pause"))):
+                expect(page.locator(f"{plot} svg").first).to_be_visible()
+                for name in series:
+                    expect(page.locator(plot)).to_contain_text(name)
         finally:
             browser.close()
     import httpx
