@@ -1,6 +1,7 @@
 """Any PyTorch training loop can feed DeltaSync replicas: publish after every optimizer step.
 
-    python examples/custom_trainer.py --model MODEL_DIR --store STORE --replica URL --token T [--steps 5]
+    python examples/custom_trainer.py --model MODEL_DIR --store STORE --replica URL --token T \
+        [--api-key K] [--steps 5]
 
 The replica must have been started on MODEL_DIR (version 0, nothing uploaded). Each step samples
 completions from the replica, takes an AdamW step on a toy policy-gradient loss (reward: how much
@@ -19,6 +20,7 @@ from shared.publisher import DeltaPublisher
 ap = argparse.ArgumentParser()
 for flag in ("--model", "--store", "--replica", "--token"):
     ap.add_argument(flag, required=True)
+ap.add_argument("--api-key", default=None, help="the replica's --api-key, if it has one")
 ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--lr", type=float, default=1e-5)
 a = ap.parse_args()
@@ -28,7 +30,8 @@ model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)  # fp
 opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
 prompt = "The quick brown"
 prompt_ids = tokenizer(prompt)["input_ids"]
-http = httpx.Client(base_url=a.replica, timeout=120)
+http = httpx.Client(base_url=a.replica, timeout=120,
+                    headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {})
 
 with DeltaPublisher(model, a.store, replicas=[a.replica], token=a.token, external_base=a.model) as pub:
     for step in range(1, a.steps + 1):

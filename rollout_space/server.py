@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 from argparse import Namespace
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -75,6 +76,11 @@ def create_app(args: Namespace) -> FastAPI:
 
     app = FastAPI(title="DeltaSync rollout", lifespan=lifespan)
     app.state.replica = replica
+    # --api-key (or VLLM_API_KEY) guards /v1/* exactly as in `vllm serve`, with vLLM's own middleware.
+    if api_keys := [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]:
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+        app.add_middleware(AuthenticationMiddleware, tokens=api_keys)
     token = args.token
 
     def authorized(request: Request) -> None:

@@ -3,7 +3,8 @@
     python -m trainer_space [--host H] [--port 7860]
         The Space's entry: the Gradio page. Run defaults come from the environment a Space sets:
         DELTASYNC_MODEL, DELTASYNC_STORE, DELTASYNC_REPLICAS (comma-separated), DELTASYNC_ENV_URL,
-        DELTASYNC_TOKEN (the replicas' update token), DELTASYNC_OUTPUT_DIR and
+        DELTASYNC_TOKEN (the replicas' update token), DELTASYNC_API_KEY (their --api-key for /v1/*),
+        DELTASYNC_OUTPUT_DIR and
         DELTASYNC_TRAINER_TOKEN (asked for by Start and Stop).
 
     python -m trainer_space --local --max-steps N --run-dir DIR [--ui]
@@ -82,6 +83,7 @@ def space_defaults() -> RunSettings:
                        store=env.get("DELTASYNC_STORE", ""),
                        replicas=[u for u in env.get("DELTASYNC_REPLICAS", "").split(",") if u],
                        env_url=env.get("DELTASYNC_ENV_URL", ""), token=env.get("DELTASYNC_TOKEN"),
+                       api_key=env.get("DELTASYNC_API_KEY"),
                        output_dir=env.get("DELTASYNC_OUTPUT_DIR", "runs/trainer"))
 
 
@@ -152,7 +154,8 @@ def run_local(a: argparse.Namespace) -> int:
             LocalServices(run_dir, model) as services:
         console.print(f"env {services.env.url}, rollout {services.rollout.url}, bucket {services.store}")
         settings = RunSettings(model=str(model), store=str(services.store), replicas=[services.rollout.url],
-                               env_url=services.env.url, token=services.token, output_dir=str(run_dir),
+                               env_url=services.env.url, token=services.token, api_key=services.api_key,
+                               output_dir=str(run_dir),
                                max_steps=a.max_steps, learning_rate=a.learning_rate)
         monitor = Monitor(settings.store, settings.replicas, settings.env_url)
         if a.ui:

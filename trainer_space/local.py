@@ -107,11 +107,13 @@ class EnvServer(ServerProcess):
 
 @dataclass
 class LocalServices:
-    """The env Space and one rollout Space as child processes; a context manager."""
+    """The env Space and one rollout Space as child processes; a context manager. The rollout
+    Space is closed like a deployed one: an update token and an API key."""
 
     run_dir: Path
     model: Path
-    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    token: str = field(default_factory=lambda: secrets.token_hex(16))  # for /update, /pause, /resume
+    api_key: str = field(default_factory=lambda: secrets.token_hex(16))  # for /v1/*
     rollout_args: list[str] = field(default_factory=lambda: list(ROLLOUT_ARGS))
     env: EnvServer | None = None
     rollout: Replica | None = None
@@ -124,7 +126,8 @@ class LocalServices:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.env = EnvServer(self.run_dir / "env.log")
         self.rollout = Replica(self.model, self.store, token=self.token, log_path=self.run_dir / "rollout.log",
-                               extra=["--work-dir", str(self.run_dir / "rollout-objects"), *self.rollout_args],
+                               extra=["--work-dir", str(self.run_dir / "rollout-objects"), "--api-key",
+                                      self.api_key, *self.rollout_args],
                                env={"VLLM_CACHE_ROOT": str(self.run_dir / "vllm-cache"),
                                     "DELTASYNC_MAP_CACHE": str(self.run_dir / "maps")})
         try:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from . import cpu_shims
 from .monitor import Monitor
+from .relay import AuthRelay
 from .transfer import DeltaSyncTransfer
 from .wordle import PROMPT, WordleGame
 
@@ -30,6 +31,8 @@ class RunSettings(BaseModel):
     replicas: list[str] = Field(description="rollout Space URLs; the first one also serves generation")
     env_url: str = Field(description="Wordle env Space URL")
     token: str | None = Field(default=None, description="the replicas' update token")
+    api_key: str | None = Field(default=None, description="the rollout Space's --api-key, which guards /v1/*; "
+                                "trl reaches it through a loopback relay that adds it")
     output_dir: str = "runs/trainer"
     max_steps: int = Field(default=10, ge=1)
     learning_rate: float = Field(default=3e-6, gt=0)
@@ -74,6 +77,14 @@ def make_transfer(settings: RunSettings, monitor: Monitor) -> DeltaSyncTransfer:
 
 def run(settings: RunSettings, monitor: Monitor, stop: threading.Event | None = None) -> DeltaSyncTransfer:
     """Train ``max_steps`` optimizer steps (or until ``stop`` is set); returns the transfer used."""
+    if not settings.api_key:
+        return _train(settings, settings.replicas[0], monitor, stop)
+    with AuthRelay(settings.replicas[0], settings.api_key) as relay:
+        return _train(settings, relay.url, monitor, stop)
+
+
+def _train(settings: RunSettings, generation_url: str, monitor: Monitor,
+           stop: threading.Event | None) -> DeltaSyncTransfer:
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
@@ -83,7 +94,7 @@ def run(settings: RunSettings, monitor: Monitor, stop: threading.Event | None = 
     cpu = bool(shims)
     samples_per_step = settings.prompts_per_step * settings.num_generations
     args = AsyncGRPOConfig(
-        output_dir=str(Path(settings.output_dir) / "trl"), vllm_server_base_url=settings.replicas[0],
+        output_dir=str(Path(settings.output_dir) / "trl"), vllm_server_base_url=generation_url,
         max_steps=settings.max_steps, learning_rate=settings.learning_rate,
         num_generations=settings.num_generations, per_device_train_batch_size=samples_per_step,
         gradient_accumulation_steps=1, max_completion_length=settings.max_completion_length,

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def test_custom_trainer_example(services, policy_dir: Path):
     proc = subprocess.run([sys.executable, "examples/custom_trainer.py", "--model", str(policy_dir),
                            "--store", str(services.store), "--replica", services.rollout.url,
-                           "--token", services.token, "--steps", "3"],
+                           "--token", services.token, "--api-key", services.api_key, "--steps", "3"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("v")]

@@ -20,7 +20,8 @@ def trainer_page(services, policy_dir: Path, tmp_path: Path):
     port = free_port()
     env = {"DELTASYNC_MODEL": str(policy_dir), "DELTASYNC_STORE": str(services.store),
            "DELTASYNC_REPLICAS": services.rollout.url, "DELTASYNC_ENV_URL": services.env.url,
-           "DELTASYNC_TOKEN": services.token, "DELTASYNC_TRAINER_TOKEN": TRAINER_TOKEN,
+           "DELTASYNC_TOKEN": services.token, "DELTASYNC_API_KEY": services.api_key,
+           "DELTASYNC_TRAINER_TOKEN": TRAINER_TOKEN,
            "DELTASYNC_OUTPUT_DIR": str(tmp_path / "trainer"), "GRADIO_ANALYTICS_ENABLED": "False"}
     with ServerProcess([sys.executable, "-m", "trainer_space", "--host", "127.0.0.1", "--port", str(port)],
                        port=port, log_path=tmp_path / "trainer.log", env=env) as proc:
