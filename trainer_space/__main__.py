@@ -123,6 +123,8 @@ def plot(rows: list[dict], steps: list[dict], path: Path) -> None:
     """Bytes per version beside dense and int32+bf16, and reward per step: what a person looks at first."""
     import matplotlib
 
+    import matplotlib.ticker
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -130,12 +132,14 @@ def plot(rows: list[dict], steps: list[dict], path: Path) -> None:
     x = [r["version"] for r in rows]
     for key, label in (("dense_bytes", "dense bf16"), ("int32_bf16_bytes", "int32 + bf16"),
                        ("payload_bytes", "deltasync")):
-        ax1.plot(x, [max(r[key], 1) for r in rows], marker=".", label=label)
+        ax1.plot(x, [r[key] or float("nan") for r in rows], marker=".", label=label)  # 0 has no log
     ax1.set_yscale("log")
     ax1.set(xlabel="version", ylabel="bytes", title="what each version costs to ship")
     ax1.legend()
     ax2.plot([s["step"] for s in steps], [s.get("reward", float("nan")) for s in steps], marker=".")
     ax2.set(xlabel="optimizer step", ylabel="mean reward", title="Wordle reward (env Space)")
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -15,6 +15,7 @@ import torch
 from shared.checkpoint import load_state, save_state
 from shared.digest import state_digest
 from shared.process import REPO
+from trainer_space.monitor import Monitor
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,13 @@ def test_custom_trainer_example(services, policy_dir: Path):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("v")]
     assert [ln.split(":")[0] for ln in lines] == ["v1", "v2", "v3"] and all(ln.endswith("exact") for ln in lines)
     assert httpx.get(f"{services.rollout.url}/version").json()["version"] == 3
+    # The monitoring UI's attach mode sees this run from the outside: the store and the replica alone.
+    monitor = Monitor(str(services.store), [services.rollout.url], services.env.url)
+    monitor.refresh()
+    rows = {r["version"]: r for r in monitor.rows()}
+    assert sorted(rows) == [0, 1, 2, 3] and rows[3]["exact"] is True
+    assert rows[3]["live"] == {services.rollout.url: rows[3]["state_digest"]}
+    assert all(0 < rows[v]["payload_bytes"] < rows[v]["dense_bytes"] for v in (1, 2, 3))
 
 
 def test_raw_protocol_push_then_post_update(services, policy_dir: Path, tmp_path: Path):
