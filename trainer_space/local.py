@@ -26,7 +26,7 @@ from shared.tiny_model import build_tiny_model
 from .replica_process import Replica
 from .wordle import PROMPT, WordleGame
 
-ROLLOUT_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "32", "--poll-s", "2",
+ROLLOUT_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "32",
                 "--kv-cache-memory-bytes", str(256 << 20), "--disable-log-stats"]
 
 
