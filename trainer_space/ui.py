@@ -155,6 +155,8 @@ def build(session: Session) -> gr.Blocks:
                     attach = gr.Button("Attach", elem_id="attach")
             with gr.Column(scale=3):
                 status = gr.Markdown(f"**status:** {session.status}", elem_id="status")
+                # The answer to this visitor's last click; the timer only rewrites the shared status.
+                notice = gr.Markdown("", elem_id="notice")
                 replica_md = gr.Markdown(replica_table(session.monitor), elem_id="replicas")
         with gr.Row():
             train_plot = gr.LinePlot(x="x", y="y", color="series", title="reward and loss per step",
@@ -174,33 +176,33 @@ def build(session: Session) -> gr.Blocks:
 
         def on_start(model, store, replicas, env_url, steps, lr, gens, token):
             if not session.authorized(token):
-                return "**status:** refused: wrong or missing trainer token"
+                return "refused: wrong or missing trainer token"
             try:
                 settings = d.model_copy(update=dict(model=model, store=store, replicas=_urls(replicas),
                                                     env_url=env_url, max_steps=int(steps), learning_rate=float(lr),
                                                     num_generations=int(gens)))
                 settings = RunSettings.model_validate(settings.model_dump())
             except Exception as e:  # noqa: BLE001 - a form error, shown
-                return f"**status:** refused: {e}"
-            return f"**status:** {session.start(settings)}"
+                return f"refused: {e}"
+            return session.start(settings)
 
         def on_stop(token):
             if not session.authorized(token):
-                return "**status:** refused: wrong or missing trainer token"
+                return "refused: wrong or missing trainer token"
             session.stop_event.set()
-            return "**status:** stopping after the current step"
+            return "stopping after the current step"
 
         def on_attach(store, replicas, env_url):
-            return f"**status:** {session.attach(store, _urls(replicas), env_url)}"
+            return session.attach(store, _urls(replicas), env_url)
 
         def tick():
             plots = [gr.skip() if df is None else df for df in frames(session.monitor).values()]
             return (f"**status:** {session.status}", replica_table(session.monitor), *plots,
                     version_table(session.monitor))
 
-        start.click(on_start, [model, store, replicas, env_url, steps, lr, gens, token], status)
-        stop.click(on_stop, [token], status)
-        attach.click(on_attach, [a_store, a_replicas, a_env], status)
+        start.click(on_start, [model, store, replicas, env_url, steps, lr, gens, token], notice)
+        stop.click(on_stop, [token], notice)
+        attach.click(on_attach, [a_store, a_replicas, a_env], notice)
         gr.Timer(1.0).tick(tick, None, [status, replica_md, train_plot, bytes_plot, changed_plot, times_plot,
                                         behind_plot, env_plot, table])
     return page

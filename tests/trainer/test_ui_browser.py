@@ -41,11 +41,12 @@ def test_start_a_run_and_watch_it(trainer_page: ServerProcess, services, chromiu
             page.get_by_label("optimizer steps").fill("2")
 
             page.locator("#start").click()  # no token: refused, nothing starts
-            expect(page.locator("#status")).to_contain_text("refused: wrong or missing trainer token")
+            expect(page.locator("#notice")).to_contain_text("refused: wrong or missing trainer token")
+            expect(page.locator("#status")).to_contain_text("idle")
 
             page.get_by_label("trainer token (needed when the Space sets one)").fill(TRAINER_TOKEN)
             page.locator("#start").click()
-            expect(page.locator("#status")).to_contain_text("running")
+            expect(page.locator("#notice")).to_contain_text("running")
 
             # Versions 1 (cold sync) .. 3 land, each checked against the replica's live weights.
             shot = Path(trainer_page.log_path).with_name("trainer-ui.png")
