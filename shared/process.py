@@ -42,11 +42,11 @@ class ServerProcess:
     """``cmd`` serving on ``127.0.0.1:port``; ready once ``GET /health`` answers 200."""
 
     def __init__(self, cmd: Sequence[str], *, port: int, log_path: Path,
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, cwd: Path | None = None):
         self.port, self.log_path = port, log_path
         self.url = f"http://127.0.0.1:{port}"
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(list(cmd), cwd=REPO, env={**os.environ, **(env or {})},
+            self.proc = subprocess.Popen(list(cmd), cwd=cwd or REPO, env={**os.environ, **(env or {})},
                                          stdout=log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
