@@ -56,6 +56,7 @@ from env_space.models import (
 )
 from env_space.wordle import MAX_INVALID_MOVES
 from env_space.words import load_word_lists
+from shared.asgi import BodySizeLimit
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -128,84 +129,6 @@ class WordleHTTPServer(HTTPEnvServer):
     async def _destroy_session(self, session_id: str) -> None:
         self._http_sessions.discard(session_id)
         await super()._destroy_session(session_id)
-
-
-class BodySizeLimit:
-    """ASGI middleware: refuse HTTP bodies over ``max_bytes`` with 413 before the app reads them.
-
-    A declared ``Content-Length`` is checked up front; a chunked body is
-    buffered up to the limit and replayed. WebSocket frames are capped by the
-    server's ``ws_max_size`` instead (see ``__main__``).
-    """
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                await self._reject(send, status.HTTP_400_BAD_REQUEST, "invalid Content-Length header")
-                return
-            if int(declared) > self.max_bytes:
-                await self._reject_too_large(send)
-                return
-            await self.app(scope, receive, send)
-            return
-        if b"chunked" not in headers.get(b"transfer-encoding", b""):
-            await self.app(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # client went away while sending
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._reject_too_large(send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _reject_too_large(self, send: Callable) -> None:
-        await self._reject(
-            send,
-            status.HTTP_413_CONTENT_TOO_LARGE,
-            f"request body exceeds the {self.max_bytes}-byte limit",
-        )
-
-    @staticmethod
-    async def _reject(send: Callable, code: int, detail: str) -> None:
-        body = json.dumps({"detail": detail}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": code,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
 
 
 class QuietClientDisconnect:

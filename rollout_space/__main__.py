@@ -1,8 +1,10 @@
 """``python -m rollout_space --model MODEL --store STORE --port PORT [--token T] [vLLM options]``
 
 Every ``vllm serve`` engine option is accepted (``--enforce-eager``, ``--max-model-len``,
-``--tensor-parallel-size``, ...). The bearer token for ``/update``, ``/pause`` and ``/resume``
-comes from ``--token`` or ``DELTASYNC_TOKEN``.
+``--tensor-parallel-size``, ...). The bearer token for ``/update``, ``/pause``, ``/resume`` and
+``/weights/digest?fresh=true`` comes from ``--token`` or ``DELTASYNC_TOKEN``. Bound to anything but a
+loopback address (the default ``--host`` is every interface) the server refuses to start without
+one, unless ``--insecure-no-token`` is given; the refusal comes before vLLM loads anything.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+
+from shared.access import open_without_token
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 def parse_args(argv: list[str] | None = None):
@@ -21,7 +27,16 @@ def parse_args(argv: list[str] | None = None):
     g.add_argument("--store", default=os.environ.get("DELTASYNC_STORE", "./bucket"),
                    help="version chain: a folder, hf://buckets/ns/name/prefix or s3://bucket/prefix")
     g.add_argument("--token", default=os.environ.get("DELTASYNC_TOKEN"),
-                   help="bearer token for /update, /pause, /resume (env DELTASYNC_TOKEN)")
+                   help="bearer token for /update, /pause, /resume and /weights/digest?fresh=true (env "
+                        "DELTASYNC_TOKEN, which keeps it out of the process list); required on a "
+                        "non-loopback --host")
+    g.add_argument("--insecure-no-token", action="store_true",
+                   help="serve on a non-loopback address without a token: anyone who can reach the port "
+                        "may then update, pause and resume this replica")
+    g.add_argument("--max-body-bytes", type=int,
+                   default=int(os.environ.get("DELTASYNC_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)),
+                   help="largest HTTP request body; larger ones get 413 (env DELTASYNC_MAX_BODY_BYTES, "
+                        "default 16 MiB)")
     g.add_argument("--map-cache", default=os.environ.get("DELTASYNC_MAP_CACHE"),
                    help="folder for cached checkpoint->engine maps (default ~/.cache/deltasync/maps)")
     g.add_argument("--work-dir", default=None, help="folder for downloaded objects (default: a temp dir)")
@@ -32,6 +47,8 @@ def parse_args(argv: list[str] | None = None):
                    help="skip predicting each touched tensor's digest before the write (the read-back "
                         "audit after it still runs)")
     args = parser.parse_args(argv)
+    if args.max_body_bytes < 1:
+        parser.error("--max-body-bytes must be at least 1")
     if args.model_tag and not getattr(args, "model", None):
         args.model = args.model_tag
     from vllm.platforms import current_platform
@@ -47,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
+    if open_without_token(args.host, args.token, args.insecure_no_token):
+        print(f"python -m rollout_space: refusing to serve on {args.host or '0.0.0.0'} without an update "
+              "token (anyone could update, pause or resume this replica); set --token or DELTASYNC_TOKEN, "
+              "or pass --insecure-no-token", file=sys.stderr)
+        sys.exit(2)
     from .server import create_app
 
     app = create_app(args)

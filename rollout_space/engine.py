@@ -99,12 +99,17 @@ class RolloutEngine:
         self.model_dir: Path | None = None
         self.base_state_digest = ""
         self.user_paused = False
-        self._lock = asyncio.Lock()  # one update (or digest) at a time
+        self._lock = asyncio.Lock()  # one update at a time
         self.write_lock = asyncio.Lock()  # paused sections vs user /pause and /resume
         self._work = Path(args.work_dir or tempfile.mkdtemp(prefix="rollout-space-"))
         self._work.mkdir(parents=True, exist_ok=True)
         self.timings: dict[str, float] = {}
         self.last_refused: int | None = None  # the poller does not retry a refused target
+        # Live digests: one computation at a time, shared by every caller that asks meanwhile,
+        # and the last result kept for as long as the weights it read stay unwritten.
+        self.weight_writes = 0  # bumped before and after every write to the live weights
+        self._digest: tuple[tuple, dict] | None = None  # (weights key, result)
+        self._digest_task: tuple[tuple, asyncio.Task] | None = None  # (weights key, computation)
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -183,6 +188,8 @@ class RolloutEngine:
         engine.generate = tracked
 
     async def stop(self) -> None:
+        if self._digest_task is not None:
+            self._digest_task[1].cancel()
         if self.engine is not None:
             self.engine.shutdown()
 
@@ -363,6 +370,7 @@ class RolloutEngine:
             if not self.user_paused:
                 await self._pause_scheduler(mode)
             b = time.perf_counter()
+            self.weight_writes += 1
             try:
                 result = await self.rpc(method, arg)
                 await engine.update_weight_version(label_of(version))
@@ -370,6 +378,7 @@ class RolloutEngine:
                 self.state.version, self.state.commitment = version, commitment
                 self.state.state_digest = state_digest
             finally:
+                self.weight_writes += 1
                 if not self.user_paused:
                     await engine.resume_generation()
             c = time.perf_counter()
@@ -397,6 +406,7 @@ class RolloutEngine:
         async with self.write_lock:
             if not self.user_paused:
                 await self._pause_scheduler(mode)
+            self.weight_writes += 1
             try:
                 await self.rpc("deltasync_revert", stage_id)
                 held = await self.rpc("deltasync_held")
@@ -405,6 +415,7 @@ class RolloutEngine:
                 await engine.update_weight_version(label_of(self.state.version))
                 await self._reset_prefix_cache(mode)
             finally:
+                self.weight_writes += 1
                 if not self.user_paused:
                     await engine.resume_generation()
         if self.state.version is not None:
@@ -472,6 +483,43 @@ class RolloutEngine:
             await self.engine.resume_generation()
 
     # ------------------------------------------------------------------ reading
-    async def live_digest(self) -> dict:
-        async with self._lock:
-            return await self.job("digest")
+    def weights_key(self) -> tuple:
+        """What the live weights are: the version served, its commitment, and the count of writes
+        (a write reverted within one version still changes it)."""
+        return self.state.version, self.state.commitment, self.weight_writes
+
+    async def live_digest(self, fresh: bool = False) -> tuple[dict, bool]:
+        """The worker's digest of the live weights (``job("digest")``) and whether it was cached.
+
+        Not under the update lock: an update waits for a digest at most one tensor's hash (the
+        worker reads tensor by tensor and starts again when a write comes between two).
+        Single flight: at most one computation runs; a caller whose weights key is the running
+        computation's shares it, any other waits for it to end and then starts (or shares) the
+        next. A result is kept when no
+        write came while it ran and it reports the version and commitment it was started for;
+        a later call with the same key gets it back (``cached``) unless ``fresh``. So anonymous
+        callers cause at most one computation per state of the weights."""
+        while True:
+            key = self.weights_key()
+            if not fresh and self._digest is not None and self._digest[0] == key:
+                return self._digest[1], True
+            if self._digest_task is None:
+                self._digest_task = (key, asyncio.create_task(self._compute_digest(key)))
+            running_key, task = self._digest_task
+            if running_key == key:
+                return await asyncio.shield(task), False
+            await asyncio.wait([task])  # started for weights since written: the next one is ours
+
+    async def _compute_digest(self, key: tuple) -> dict:
+        try:
+            d = await self.job("digest")
+            metrics.DIGESTS.inc()
+            metrics.DIGEST_SECONDS.observe(d["digest_s"])
+            if d.get("passes", 1) > 1:
+                log.info("live digest of v%s took %d passes (writes came between tensors)", d["version"],
+                         d["passes"])
+            if self.weights_key() == key and (d["version"], d["commitment"]) == key[:2]:
+                self._digest = (key, d)
+            return d
+        finally:
+            self._digest_task = None

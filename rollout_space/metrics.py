@@ -22,6 +22,10 @@ PAUSE_SECONDS = Histogram("deltasync_apply_pause_seconds", "Generation stopped f
 APPLY_SECONDS = Histogram("deltasync_apply_seconds", "The write inside the engine", buckets=_TIMES)
 AUDIT_SECONDS = Histogram("deltasync_audit_seconds", "Read-back check after the write", buckets=_TIMES)
 CHANGED = Counter("deltasync_changed_elements_total", "Elements written by deltas")
+DIGESTS = Counter("deltasync_live_digests_total", "Live state digests computed (GET /weights/digest "
+                  "answers the others from its cache)")
+DIGEST_SECONDS = Histogram("deltasync_live_digest_seconds", "One live state digest, in the worker",
+                           buckets=_TIMES)
 
 VERSION.set(-1)
 

@@ -6,12 +6,17 @@ streaming and the real ``openai`` client behave as with ``vllm serve``); each re
 engine reports for the tokens it generated. Control endpoints: ``POST /update`` (bearer token),
 ``GET /version``, ``GET /weights/digest``, ``GET /health``, ``GET /metrics`` and vLLM-style
 ``/pause`` ``/resume`` ``/is_paused``.
+
+Closed by default: everything that changes or pauses the replica (``/update``, ``/pause``,
+``/resume``) and a forced digest (``/weights/digest?fresh=true``) need the bearer token (compared
+in constant time, never logged); ``--api-key`` guards ``/v1/*`` as in ``vllm serve``; bodies over
+``--max-body-bytes`` get 413. None of vLLM's dev-mode routes (``/collective_rpc``, ``/sleep``, ...)
+exist here, whatever ``VLLM_SERVER_DEV_MODE`` says: this app is not built by vLLM's ``build_app``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -23,6 +28,8 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from shared.access import bearer_ok
+from shared.asgi import BodySizeLimit
 from shared.schemas import (
     DigestResponse,
     HealthResponse,
@@ -81,13 +88,15 @@ def create_app(args: Namespace) -> FastAPI:
         from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
         app.add_middleware(AuthenticationMiddleware, tokens=api_keys)
+    # Outermost: an oversize body is refused before anything reads it.
+    app.add_middleware(BodySizeLimit, max_bytes=args.max_body_bytes)
     token = args.token
 
     def authorized(request: Request) -> None:
-        if not token:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if not bearer_ok(request.headers.get("authorization"), token):
+            client = request.client.host if request.client else "?"
+            log.warning("refused %s %s from %s: missing or wrong bearer token", request.method,
+                        request.url.path, client)  # never the header itself
             raise HTTPException(status_code=401, detail="missing or wrong bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
 
@@ -188,12 +197,17 @@ def create_app(args: Namespace) -> FastAPI:
                                latest_seen=s.latest_seen)
 
     @app.get("/weights/digest", response_model=DigestResponse)
-    async def weights_digest():
-        d = await replica.live_digest()
+    async def weights_digest(request: Request, fresh: Annotated[bool, Query()] = False):
+        """The state digest of the live engine weights. Computed once per state of the weights
+        (version, commitment, writes) and cached; concurrent callers share one computation.
+        ``fresh=true`` reads the weights again and needs the bearer token."""
+        if fresh:
+            authorized(request)
+        d, cached = await replica.live_digest(fresh=fresh)
         return DigestResponse(version=d["version"], commitment=d["commitment"],
                               state_digest=d["state_digest"],
                               matches_held=d["state_digest"] == d["held_state_digest"],
-                              seconds=d["digest_s"])
+                              seconds=d["digest_s"], cached=cached)
 
     @app.get("/health")
     async def health():

@@ -3,10 +3,11 @@
 Passed to vLLM as ``worker_extension_cls="rollout_space.worker.DeltaWorkerExtension"``; vLLM mixes
 it into its worker class, and the server reaches it with ``collective_rpc("deltasync_...")``.
 The engine core runs in its own process, so every argument and result crosses as a JSON string
-(never pickle). Long work (staging, audits, digests) runs on one background thread of the worker
-process, so the engine keeps stepping while it runs; the server polls for the result. Only
-``deltasync_commit`` / ``deltasync_revert`` / ``deltasync_load`` write weights, and the server calls
-them while generation is paused.
+(never pickle). Long work (staging, audits) runs on one background thread of the worker process,
+so the engine keeps stepping while it runs; the server polls for the result. Live digests run on
+a second one, tensor by tensor, so that neither a stage nor a paused write waits for a whole
+digest (see ``_job_digest``). Only ``deltasync_commit`` / ``deltasync_revert`` / ``deltasync_load``
+write weights, and the server calls them while generation is paused.
 
 Importing this module installs :func:`rollout_space.cpu_weights.keep_plain_cpu_weights`, which
 must happen before the model is loaded; vLLM imports worker extensions at worker start.
@@ -20,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import nullcontext
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +40,7 @@ from .replica import LiveWeights, Staged
 
 keep_plain_cpu_weights()
 log = logging.getLogger("rollout_space.worker")
+DIGEST_PASSES = 3  # a digest interrupted by writes this often holds the lock for its last pass
 
 
 def _ok(**result: Any) -> str:
@@ -57,10 +60,12 @@ class _State:
     def __init__(self, weights: LiveWeights, emap: EngineMap):
         self.weights, self.map = weights, emap
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-stage")
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-digest")
         self.jobs: dict[str, Future] = {}
         self.staged: dict[str, Staged] = {}
         self.ids = itertools.count(1)
         self.lock = threading.Lock()  # weights are written only under it
+        self.writes = 0  # bumped under ``lock`` by every write (and by adopt): a digest pass restarts
 
 
 class DeltaWorkerExtension:
@@ -152,7 +157,7 @@ class DeltaWorkerExtension:
         job = f"{kind}-{next(st.ids)}"
         fn = {"stage": self._job_stage, "audit": self._job_audit, "digest": self._job_digest,
               "validate": self._job_validate}[kind]
-        st.jobs[job] = st.pool.submit(fn, job, arg)
+        st.jobs[job] = (st.reader if kind == "digest" else st.pool).submit(fn, job, arg)
         return job
 
     def deltasync_poll(self, job: str) -> str:
@@ -204,21 +209,47 @@ class DeltaWorkerExtension:
             return _err(e)
 
     def _job_digest(self, job: str, arg: str) -> str:
+        """The state digest of the live weights and the version they are held to be.
+
+        Tensor by tensor, taking the weights lock for one tensor at a time: a write that comes
+        meanwhile (it is paused generation) waits for one tensor's hash, not the whole digest.
+        A pass that a write interrupted starts again; the last of ``DIGEST_PASSES`` holds the
+        lock throughout, so a digest always ends. Every pass reads one state of the weights."""
         try:
             st = self._ds()
             t0 = time.perf_counter()
-            with st.lock:
-                digests = st.weights.live_digests()
-                held = st.weights.held
-                from shared.digest import state_digest_from_entries
-
-                sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in held.specs.items()})
-                mismatched = sorted(n for n in digests if digests[n] != held.digests[n])
-            return _ok(state_digest=sd, version=held.version, commitment=held.commitment,
-                       held_state_digest=held.state_digest, mismatched=mismatched,
-                       digest_s=time.perf_counter() - t0)
+            for n in range(1, DIGEST_PASSES + 1):
+                result = self._ds_digest_pass(st, whole=n == DIGEST_PASSES)
+                if result is not None:
+                    return _ok(**result, passes=n, digest_s=time.perf_counter() - t0)
+            raise RuntimeError("unreachable: the last digest pass holds the lock")
         except BaseException as e:  # noqa: BLE001
             return _err(e)
+
+    def _ds_digest_pass(self, st: _State, *, whole: bool) -> dict | None:
+        """One pass; None when a write came between two tensors (``whole``: none can)."""
+        from shared.digest import state_digest_from_entries
+
+        outer, inner = (st.lock, nullcontext()) if whole else (nullcontext(), st.lock)
+        with outer:
+            with inner:
+                writes, held = st.writes, st.weights.held
+                version, commitment, specs = held.version, held.commitment, held.specs
+                held_digests, held_state_digest = dict(held.digests), held.state_digest
+            live = st.weights.live.map.tensors
+            digests: dict[str, str] = {}
+            for name in specs:
+                if name not in live:
+                    digests[name] = held_digests[name]
+                    continue
+                with inner:
+                    if st.writes != writes:
+                        return None
+                    digests[name] = st.weights.digest(name)
+        sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in specs.items()})
+        return {"state_digest": sd, "version": version, "commitment": commitment,
+                "held_state_digest": held_state_digest,
+                "mismatched": sorted(n for n in digests if digests[n] != held_digests[n])}
 
     # ------------------------------------------------------------------ writes (paused)
     def deltasync_commit(self, stage: str) -> str:
@@ -226,6 +257,7 @@ class DeltaWorkerExtension:
             st = self._ds()
             staged = st.staged[stage]
             with st.lock:
+                st.writes += 1
                 dt = st.weights.commit(staged)
             return _ok(commit_s=dt, version=staged.header.version)
         except BaseException as e:  # noqa: BLE001
@@ -236,6 +268,7 @@ class DeltaWorkerExtension:
             st = self._ds()
             staged = st.staged[stage]
             with st.lock:
+                st.writes += 1
                 dt = st.weights.revert(staged)
             return _ok(revert_s=dt, version=st.weights.held.version)
         except BaseException as e:  # noqa: BLE001
@@ -263,6 +296,7 @@ class DeltaWorkerExtension:
             else:
                 files = checkpoint_files(a["path"])
             with st.lock:
+                st.writes += 1
                 st.staged.clear()
                 timings = st.weights.load_dense(files, version=a["version"], commitment=a["commitment"],
                                                 state_digest=a["state_digest"], header=header)
@@ -275,6 +309,7 @@ class DeltaWorkerExtension:
             a = json.loads(arg)
             st = self._ds()
             with st.lock:
+                st.writes += 1
                 st.weights.adopt(version=a["version"], commitment=a["commitment"],
                                  state_digest=a["state_digest"])
             return _ok(version=a["version"])

@@ -73,7 +73,11 @@ class DigestResponse(BaseModel):
     commitment: str
     state_digest: str
     matches_held: bool
-    seconds: float
+    seconds: float  # how long the computation took (the original one, when cached)
+    # True: computed earlier for these same weights (no write since) and served from the cache;
+    # ``?fresh=true`` (bearer token) never returns a cached value (it may share a computation that
+    # is already reading these same weights).
+    cached: bool = False
 
 
 class HealthResponse(BaseModel):

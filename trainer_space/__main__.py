@@ -29,10 +29,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from shared.access import open_without_token
+
 from .monitor import Monitor
 from .train import RunSettings, run
-
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.local:
         return run_local(a)
     token = os.environ.get("DELTASYNC_TRAINER_TOKEN")
-    if not token and a.host not in LOOPBACK and not a.insecure_no_token:
+    if open_without_token(a.host, token, a.insecure_no_token):
         print(f"python -m trainer_space: refusing to serve on {a.host} without DELTASYNC_TRAINER_TOKEN "
               "(anyone could start or stop runs); set it, or pass --insecure-no-token", file=sys.stderr)
         return 2
