@@ -31,12 +31,12 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu &
 COPY --chown=1000:1000 . .
 RUN pip install --no-deps .
 USER 1000
+# The store is DELTASYNC_STORE; unset inside a Space, it is hf://buckets/<namespace>/deltasync/run1 (from SPACE_ID).
 ENV MODEL=Qwen/Qwen3-0.6B \
-    DELTASYNC_STORE=/home/user/bucket \
     VLLM_ARGS=""
 
 EXPOSE 7860
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
     CMD ["sh", "-c", "python -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:${PORT:-7860}/health', timeout=4)\""]
 # Secrets arrive as environment variables: DELTASYNC_TOKEN (required on a public address), VLLM_API_KEY, HF_TOKEN.
-CMD ["sh", "-c", "exec python -m rollout_space --model \"$MODEL\" --store \"$DELTASYNC_STORE\" --host 0.0.0.0 --port \"${PORT:-7860}\" $VLLM_ARGS"]
+CMD ["sh", "-c", "exec python -m rollout_space --model \"$MODEL\" --host 0.0.0.0 --port \"${PORT:-7860}\" $VLLM_ARGS"]

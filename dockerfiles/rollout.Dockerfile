@@ -27,8 +27,8 @@ RUN python3 -m pip install -r requirements.txt && \
 COPY --chown=1000:1000 . .
 RUN python3 -m pip install --no-deps .
 USER 1000
+# The store is DELTASYNC_STORE; unset inside a Space, it is hf://buckets/<namespace>/deltasync/run1 (from SPACE_ID).
 ENV MODEL=Qwen/Qwen3-0.6B \
-    DELTASYNC_STORE=/home/user/bucket \
     VLLM_ARGS=""
 
 EXPOSE 7860
@@ -37,4 +37,4 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
 # The image's ENTRYPOINT is `vllm serve`; this Space runs its own server instead.
 ENTRYPOINT []
 # Secrets arrive as environment variables: DELTASYNC_TOKEN (required on a public address), VLLM_API_KEY, HF_TOKEN.
-CMD ["sh", "-c", "exec python3 -m rollout_space --model \"$MODEL\" --store \"$DELTASYNC_STORE\" --host 0.0.0.0 --port \"${PORT:-7860}\" $VLLM_ARGS"]
+CMD ["sh", "-c", "exec python3 -m rollout_space --model \"$MODEL\" --host 0.0.0.0 --port \"${PORT:-7860}\" $VLLM_ARGS"]

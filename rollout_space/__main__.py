@@ -14,8 +14,16 @@ import os
 import sys
 
 from shared.access import open_without_token
+from shared.spaces import Deployment
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
+def default_store() -> str:
+    if store := os.environ.get("DELTASYNC_STORE"):
+        return store
+    home = Deployment.of_space(os.environ.get("SPACE_ID"))  # a duplicated Space finds its bucket
+    return home.store if home else "./bucket"
 
 
 def parse_args(argv: list[str] | None = None):
@@ -24,8 +32,9 @@ def parse_args(argv: list[str] | None = None):
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="python -m rollout_space", description=__doc__))
     g = parser.add_argument_group("DeltaSync")
-    g.add_argument("--store", default=os.environ.get("DELTASYNC_STORE", "./bucket"),
-                   help="version chain: a folder, hf://buckets/ns/name/prefix or s3://bucket/prefix")
+    g.add_argument("--store", default=default_store(),
+                   help="version chain: a folder, hf://buckets/ns/name/prefix or s3://bucket/prefix (env "
+                        "DELTASYNC_STORE; inside a Space hf://buckets/<namespace>/deltasync/run1, else ./bucket)")
     g.add_argument("--token", default=os.environ.get("DELTASYNC_TOKEN"),
                    help="bearer token for /update, /pause, /resume and /weights/digest?fresh=true (env "
                         "DELTASYNC_TOKEN, which keeps it out of the process list); required on a "

@@ -162,7 +162,7 @@ class Deployment:
     """What ``deltasync spaces deploy`` creates: a bucket and three Spaces that find one another."""
 
     namespace: str
-    rendered: Path  # output of :func:`render`
+    rendered: Path = Path(".")  # output of :func:`render`
     bucket: str = "deltasync"
     prefix: str = "run1"
     model: str = "Qwen/Qwen3-0.6B"
@@ -174,6 +174,12 @@ class Deployment:
     hf_token: str = ""  # lets the trainer write and the replicas read the (private) bucket
     update_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+
+    @classmethod
+    def of_space(cls, space_id: str | None) -> Deployment | None:
+        """The deployment a running Space belongs to, by the default names. Spaces set ``SPACE_ID``
+        (``<namespace>/<name>``), so a duplicated Space finds its bucket and siblings without variables."""
+        return cls(namespace=space_id.split("/")[0]) if space_id and "/" in space_id else None
 
     def repo_id(self, space: str) -> str:
         return f"{self.namespace}/{self.names[space]}"
@@ -195,6 +201,12 @@ class Deployment:
                 "env": {}}[space]
 
     def variables_for(self, space: str) -> dict[str, str]:
+        """Only what a Space would not derive from its own id (:meth:`of_space`): a deployment with
+        the default names sets none, so its Spaces can be duplicated into another namespace as they are."""
+        derived = Deployment(namespace=self.namespace)._variables(space)
+        return {k: v for k, v in self._variables(space).items() if derived.get(k) != v}
+
+    def _variables(self, space: str) -> dict[str, str]:
         return {"trainer": {"DELTASYNC_MODEL": self.model, "DELTASYNC_STORE": self.store,
                             "DELTASYNC_REPLICAS": self.url("rollout"), "DELTASYNC_ENV_URL": self.url("env")},
                 "rollout": {"MODEL": self.model, "DELTASYNC_STORE": self.store},

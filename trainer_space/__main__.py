@@ -5,7 +5,7 @@
         DELTASYNC_MODEL, DELTASYNC_STORE, DELTASYNC_REPLICAS (comma-separated), DELTASYNC_ENV_URL,
         DELTASYNC_TOKEN (the replicas' update token), DELTASYNC_API_KEY (their --api-key for /v1/*),
         DELTASYNC_OUTPUT_DIR and
-        DELTASYNC_TRAINER_TOKEN (asked for by Start and Stop).
+        DELTASYNC_TRAINER_TOKEN (asked for by Start and Stop; when unset, DELTASYNC_TOKEN is).
 
     python -m trainer_space --local --max-steps N --run-dir DIR [--ui]
         The embedded defaults: builds a small Wordle policy in DIR/model, starts the env Space
@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shared.access import open_without_token
+from shared.spaces import Deployment
 
 from .monitor import Monitor
 from .train import RunSettings, run
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--run-dir", type=Path, default=Path("runs/trainer"))
     ap.add_argument("--learning-rate", type=float, default=3e-6)
     ap.add_argument("--insecure-no-token", action="store_true",
-                    help="serve the page on a public address without DELTASYNC_TRAINER_TOKEN")
+                    help="serve the page on a public address without a token for Start and Stop")
     return ap.parse_args(argv)
 
 
@@ -78,12 +79,15 @@ def serve(settings: RunSettings, host: str, port: int, *, token: str | None, mon
 
 
 def space_defaults() -> RunSettings:
+    """Run defaults from the Space's variables; inside a Space, unset ones come from its own id."""
     env = os.environ
+    home = Deployment.of_space(env.get("SPACE_ID"))
+    replicas = env.get("DELTASYNC_REPLICAS") or (home.url("rollout") if home else "")
     return RunSettings(model=env.get("DELTASYNC_MODEL", "Qwen/Qwen3-0.6B"),
-                       store=env.get("DELTASYNC_STORE", ""),
-                       replicas=[u for u in env.get("DELTASYNC_REPLICAS", "").split(",") if u],
-                       env_url=env.get("DELTASYNC_ENV_URL", ""), token=env.get("DELTASYNC_TOKEN"),
-                       api_key=env.get("DELTASYNC_API_KEY"),
+                       store=env.get("DELTASYNC_STORE") or (home.store if home else ""),
+                       replicas=[u for u in replicas.split(",") if u],
+                       env_url=env.get("DELTASYNC_ENV_URL") or (home.url("env") if home else ""),
+                       token=env.get("DELTASYNC_TOKEN"), api_key=env.get("DELTASYNC_API_KEY"),
                        output_dir=env.get("DELTASYNC_OUTPUT_DIR", "runs/trainer"))
 
 
@@ -181,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.local:
         return run_local(a)
-    token = os.environ.get("DELTASYNC_TRAINER_TOKEN")
+    # One secret is enough for a Space: the replicas' update token also guards Start and Stop.
+    token = os.environ.get("DELTASYNC_TRAINER_TOKEN") or os.environ.get("DELTASYNC_TOKEN")
     if open_without_token(a.host, token, a.insecure_no_token):
-        print(f"python -m trainer_space: refusing to serve on {a.host} without DELTASYNC_TRAINER_TOKEN "
-              "(anyone could start or stop runs); set it, or pass --insecure-no-token", file=sys.stderr)
+        print(f"python -m trainer_space: refusing to serve on {a.host} without DELTASYNC_TOKEN or "
+              "DELTASYNC_TRAINER_TOKEN (anyone could start or stop runs); set one, or pass --insecure-no-token",
+              file=sys.stderr)
         return 2
     serve(space_defaults(), a.host, a.port, token=token)
     return 0

@@ -7,7 +7,6 @@ from :class:`trainer_space.monitor.Monitor`, so a run started here and a run of 
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import traceback
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 import pandas as pd
+
+from shared.access import token_ok
 
 from .monitor import Monitor
 from .train import RunSettings, run
@@ -37,7 +38,7 @@ class Session:
         return self.thread is not None and self.thread.is_alive()
 
     def authorized(self, given: str) -> bool:
-        return not self.token or hmac.compare_digest((given or "").encode(), self.token.encode())
+        return not self.token or token_ok(given, self.token)
 
     def start(self, settings: RunSettings) -> str:
         if self.running():

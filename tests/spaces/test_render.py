@@ -142,11 +142,8 @@ def test_deploy_plan_calls_match_huggingface_hub(tmp_path):
         assert methods[0] == "create_bucket"
         assert methods.count("duplicate_repo" if duplicate_from else "create_repo") == 3
         assert methods.count("upload_folder") == (0 if duplicate_from else 3)
-        variables = {(c.kwargs["repo_id"], c.kwargs["key"]): c.kwargs["value"] for c in calls
-                     if c.method == "add_space_variable"}
-        assert variables[("alice/deltasync-trainer", "DELTASYNC_REPLICAS")] == "https://alice-deltasync-rollout.hf.space"
-        assert variables[("alice/deltasync-trainer", "DELTASYNC_ENV_URL")] == "https://alice-deltasync-wordle.hf.space"
-        assert variables[("alice/deltasync-rollout", "DELTASYNC_STORE")] == "hf://buckets/alice/deltasync/run1"
+        # default names: every Space derives its bucket and siblings from its own id, so none are set
+        assert "add_space_variable" not in methods
         secrets = {(c.kwargs["repo_id"], c.kwargs["key"]): c.kwargs["value"] for c in calls
                    if c.method == "add_space_secret"}
         # the trainer and the replicas share the update token; the trainer knows the replicas' API key
@@ -160,6 +157,21 @@ def test_deploy_plan_calls_match_huggingface_hub(tmp_path):
                             "alice/deltasync-wordle": "cpu-basic"}
 
 
+def test_variables_are_what_a_space_would_not_derive_from_its_id(tmp_path):
+    d = Deployment(namespace="alice", rendered=tmp_path, bucket="rl", names={
+        "trainer": "trainer", "rollout": "deltasync-rollout", "env": "deltasync-wordle"})
+    variables = {(c.kwargs["repo_id"], c.kwargs["key"]): c.kwargs["value"] for c in deploy_plan(d)
+                 if c.method == "add_space_variable"}
+    assert variables == {("alice/trainer", "DELTASYNC_STORE"): "hf://buckets/alice/rl/run1",
+                         ("alice/deltasync-rollout", "DELTASYNC_STORE"): "hf://buckets/alice/rl/run1"}
+    # what a Space derives from SPACE_ID when no variable is set
+    derived = Deployment.of_space("bob/deltasync-trainer")
+    assert (derived.store, derived.url("rollout"), derived.url("env")) == (
+        "hf://buckets/bob/deltasync/run1", "https://bob-deltasync-rollout.hf.space",
+        "https://bob-deltasync-wordle.hf.space")
+    assert Deployment.of_space(None) is None
+
+
 def test_deploy_dry_run_prints_every_call_and_no_secret(tmp_path):
     r = subprocess.run([*CLI, "spaces", "deploy", "--namespace", "alice", "--rollout-hardware", "l4x1",
                         "--dry-run"], capture_output=True, text=True, env={"HF_TOKEN": "hf_do_not_print",
@@ -167,7 +179,7 @@ def test_deploy_dry_run_prints_every_call_and_no_secret(tmp_path):
                                                                             "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     calls = [ln for ln in r.stdout.splitlines() if ln.startswith("HfApi.")]
-    assert len(calls) == 1 + 3 * 2 + 3 + 3 + 2 + 4 + 3, r.stdout
+    assert len(calls) == 1 + 3 * 2 + 3 + 3 + 3, r.stdout  # bucket, repo + upload, secrets, hardware
     assert "hf_do_not_print" not in r.stdout + r.stderr and "value=***" in r.stdout
     assert "HfApi.request_space_hardware(repo_id='alice/deltasync-rollout', hardware='l4x1')" in calls
     assert "https://alice-deltasync-trainer.hf.space" in r.stdout
