@@ -12,6 +12,8 @@ Reason = Literal[
     "digest_mismatch",  # the result of applying does not match the declared digest
     "missing",  # an object the chain names is not in the store
     "shape_mismatch",  # the delta names tensors, shapes or dtypes the target does not have
+    "locked",  # the store has another writer (or this writer lost its lock)
+    "conflict",  # the store already holds this version with other contents: another writer or an unfinished publish
 ]
 
 

@@ -8,11 +8,13 @@ queue, strictly in version order, so training only waits when uploads fall behin
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_fo
 from .checkpoint import module_state
 from .codec import Header, anchor_header, build_delta, encode_state, save_anchor, save_delta
 from .digest import tensor_digest
+from .lock import WriterLock
 from .stores import Store, open_store
 
 log = logging.getLogger("deltasync.publisher")
@@ -45,13 +48,36 @@ class PublishReport:
     state_digest: str = ""
     # url -> the replica's /update answer (JSON), or {"error": ...} when refused or unreachable
     replicas: dict[str, dict] = field(default_factory=dict)
+    error: str | None = None  # why the upload failed for good ("failed"), or why it was skipped
+    dropped: list[int] = field(default_factory=list)  # versions retention deleted after this one landed
+    _done: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
     @property
     def changed_fraction(self) -> float:
         return self.changed / max(self.numel, 1)
 
+    @property
+    def done(self) -> bool:
+        """The background thread has finished with this version (uploaded and announced, or not)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> PublishReport:
+        """Block until this version is uploaded and announced; raise :class:`PublishError` if it
+        never landed. ``publish()`` returns before that, and fills in this report as it goes."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"v{self.version} is still being uploaded")
+        if self.kind in ("failed", "skipped"):
+            raise PublishError(f"v{self.version} was not published: {self.error}")
+        return self
+
     def as_dict(self) -> dict:
-        return asdict(self) | {"changed_fraction": self.changed_fraction}
+        d = asdict(self)
+        d.pop("_done")
+        return d | {"changed_fraction": self.changed_fraction}
+
+
+class PublishError(RuntimeError):
+    """A version did not land in the store (the chain heals with an anchor at a later version)."""
 
 
 @dataclass
@@ -74,6 +100,14 @@ class DeltaPublisher:
     ``compact`` codes positions per exponent class where that is smaller (about a third less
     for positions at RL learning rates), at the price of a pass over each changed tensor at
     both ends.
+
+    Retention: after each anchor lands, versions older than the ``keep_anchors``-th newest
+    anchor (default 2) are deleted from the store, and the report lists them in ``dropped``;
+    pass a large ``keep_anchors`` to keep the whole history.
+
+    The publisher is the store's only writer while it lives (``writer.lock``, see
+    :mod:`shared.lock`); ``close()`` uploads what is queued and releases it, and runs at exit
+    if the script never called it.
     """
 
     def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], store: Store | str, *,
@@ -85,6 +119,8 @@ class DeltaPublisher:
                  on_report: Callable[[PublishReport], None] | None = None):
         self.model, self.dtype = model, dtype
         self.store = open_store(store) if isinstance(store, str) else store
+        self._lock = WriterLock(self.store, "DeltaPublisher").acquire()  # one writer per store
+        self._closed = False
         self.chain = Chain(self.store)
         self.replicas, self.token = list(replicas), token
         self.policy, self.keep_anchors = policy or AnchorPolicy(), keep_anchors
@@ -101,7 +137,12 @@ class DeltaPublisher:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._worker = threading.Thread(target=self._run, name="deltasync-upload", daemon=True)
         self._worker.start()
-        self.version, self.commitment = self._genesis(external_base)
+        atexit.register(_close_at_exit, weakref.ref(self))
+        try:
+            self.version, self.commitment = self._genesis(external_base)
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ public
     def publish(self, state: Mapping[str, torch.Tensor] | None = None) -> PublishReport:
@@ -111,6 +152,9 @@ class DeltaPublisher:
         publisher was built on (a trainer that hands out fresh views or gathered shards per sync);
         it must hold the same names, shapes and dtypes.
         """
+        if self._closed:
+            raise RuntimeError("publish() after close(): this publisher no longer uploads anything")
+        self._lock.check()
         t0 = time.perf_counter()
         version = self.version + 1
         live = self._live() if state is None else dict(state)
@@ -157,10 +201,21 @@ class DeltaPublisher:
                 raise TimeoutError("uploads still pending")
             time.sleep(0.01)
 
+    @property
+    def pending(self) -> int:
+        """Versions queued or uploading."""
+        return self._queue.unfinished_tasks
+
     def close(self) -> None:
-        self.flush()
+        """Upload what is queued, stop the upload thread and release the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._worker.join()
+        self._lock.release()
+        if self.errors:
+            log.error("%s: %d version(s) failed to upload: %s", self.store.uri, len(self.errors), "; ".join(self.errors))
 
     def __enter__(self) -> DeltaPublisher:
         return self
@@ -232,7 +287,13 @@ class DeltaPublisher:
             try:
                 if self._broken and not anchored:
                     job.report.kind = "skipped"  # its base never landed; an anchor follows
+                    job.report.error = "its base version never landed; a later version anchors"
                 else:
+                    if self._broken:  # heal: this version's delta starts from a version that never landed
+                        job.refs = [r for r in job.refs if r.kind == "anchor"]
+                        job.objects = {k: v for k, v in job.objects.items() if k.startswith("anchors/")}
+                        job.report.kind = "anchor"
+                    self._lock.check()
                     self._upload(job)
                     self._broken = False
                     self._notify(job.report)
@@ -240,15 +301,18 @@ class DeltaPublisher:
                 log.exception("upload of v%d failed for good; the next version anchors",
                               job.header.version)
                 self.errors.append(f"v{job.header.version}: {e}")
-                job.report.kind = "failed"
+                job.report.kind, job.report.error = "failed", str(e)
                 self._broken = self._force_anchor = True
             finally:
                 if job.tmpdir is not None:
                     job.tmpdir.cleanup()
                 self.reports.append(job.report)
-                if self.on_report:
-                    self.on_report(job.report)
-                self._queue.task_done()
+                try:
+                    if self.on_report:
+                        self.on_report(job.report)
+                finally:
+                    job.report._done.set()
+                    self._queue.task_done()
 
     def _upload(self, job: _Job) -> None:
         t0 = time.perf_counter()
@@ -263,7 +327,10 @@ class DeltaPublisher:
                 log.warning("upload of v%d failed (%s); retrying", job.header.version, e)
                 time.sleep(self.backoff_s * 2**attempt)
         if any(r.kind == "anchor" for r in job.refs) and job.header.version > 0:
-            self.chain.retain(self.keep_anchors)
+            job.report.dropped = self.chain.retain(self.keep_anchors)
+            if job.report.dropped:
+                log.info("%s: retention (keep_anchors=%d) deleted v%d..v%d", self.store.uri, self.keep_anchors,
+                         job.report.dropped[0], job.report.dropped[-1])
         job.report.upload_s = time.perf_counter() - t0
 
     def _notify(self, report: PublishReport) -> None:
@@ -293,3 +360,13 @@ class DeltaPublisher:
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2**attempt)
         return {"error": f"unreachable: {err}"}
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """A script that ends without ``close()`` still uploads its last versions, and says so."""
+    pub = ref()
+    if pub is not None and not pub._closed:
+        if pub.pending:
+            log.warning("%s: DeltaPublisher was not closed; uploading %d pending version(s) before exit",
+                        pub.store.uri, pub.pending)
+        pub.close()

@@ -70,19 +70,52 @@ class Store:
             self.fs.copy(str(data), tmp)
         os.replace(tmp, path)  # atomic: a reader sees the old object or the whole new one
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if it does not exist yet; False when it does.
+
+        Exclusive on a local folder (a hard link of a complete temporary file) and on S3
+        (``If-None-Match: *``). Hub buckets offer no conditional write, so there this is check,
+        write, read back: two writers racing within one round trip can both succeed.
+        """
+        path = self.path(key)
+        if self.local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        if self.uri.startswith("s3://"):
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+        if self.exists(key):
+            return False
+        self.put(key, data)
+        return self.get(key) == data
+
     def exists(self, key: str) -> bool:
         self._fresh(key)
         return self.fs.exists(self.path(key))
 
-    def list(self, prefix: str) -> list[str]:
-        """Keys directly below ``prefix`` (a folder), sorted; temporary uploads excluded."""
+    def list(self, prefix: str, *, include_tmp: bool = False) -> list[str]:
+        """Keys directly below ``prefix`` (a folder), sorted; temporary uploads only if asked."""
         self._fresh(prefix)
         try:
             names = self.fs.ls(self.path(prefix), detail=False)
         except FileNotFoundError:
             return []
         keys = [n.rstrip("/").rsplit("/", 1)[-1] for n in names]
-        return sorted(f"{prefix}/{k}" for k in keys if ".tmp-" not in k)
+        return sorted(f"{prefix}/{k}" for k in keys if include_tmp or ".tmp-" not in k)
 
     def delete(self, key: str) -> None:
         try:
@@ -91,19 +124,55 @@ class Store:
             pass
 
 
-def open_store(uri: str | Path, **storage_options: Any) -> Store:
+def open_store(uri: str | Path, *, create: bool = True, **storage_options: Any) -> Store:
     """``/some/dir`` or ``file://``, ``hf://buckets/ns/name[/prefix]``, ``s3://bucket/prefix``.
 
     For ``hf://`` the token comes from ``storage_options['token']`` or the usual HF_TOKEN; for
     ``s3://`` options such as ``endpoint_url`` go to s3fs (``client_kwargs``).
+
+    ``create=False`` (readers) creates nothing: a local folder that does not exist, or a remote
+    prefix that holds nothing, is a :class:`StoreError` ("no store at ..."), and a remote store is
+    reached once here, so missing credentials or no network fail now, in one line. A missing
+    fsspec backend or an unknown scheme is a :class:`StoreError` either way.
     """
+    from .errors import StoreError, store_error
+
+    def _local(uri: str, root: str, create: bool) -> Store:
+        path = Path(root)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        elif not path.is_dir():
+            what = "a file, not a store folder" if path.exists() else "no such folder"
+            raise StoreError(f"no store at {uri}: {what} (check the path; `deltasync push` starts a chain)")
+        return Store(LocalFileSystem(), str(path.resolve()), uri)
+
     uri = str(uri)
     if "://" not in uri:
-        Path(uri).mkdir(parents=True, exist_ok=True)
-        return Store(LocalFileSystem(), str(Path(uri).resolve()), uri)
+        return _local(uri, str(Path(uri)), create)
     if uri.startswith("hf://") and not uri.startswith("hf://buckets/"):
-        raise ValueError("hf:// stores must be Storage Buckets: hf://buckets/<namespace>/<name>[/prefix]")
-    fs, root = fsspec.url_to_fs(uri, **storage_options)
+        raise StoreError(f"{uri}: hf:// stores must be Storage Buckets: hf://buckets/<namespace>/<name>[/prefix]")
+    try:
+        fs, root = fsspec.url_to_fs(uri, **storage_options)
+    except ValueError as e:
+        if "Protocol not known" not in str(e):
+            raise
+        scheme = uri.split("://", 1)[0]
+        raise StoreError(f"{uri}: unknown store scheme {scheme}://; a store is a folder, "
+                         "hf://buckets/<namespace>/<name>[/prefix] or s3://<bucket>[/prefix]") from None
+    except ImportError as e:
+        raise store_error(uri, e) from None
     if isinstance(fs, LocalFileSystem):
-        Path(root).mkdir(parents=True, exist_ok=True)
+        return _local(uri, root, create)
+    if not create:
+        try:
+            found = fs.exists(root)
+        except Exception as e:  # credentials, network, a bucket that does not exist
+            if (err := store_error(uri, e)) is not None:
+                raise err from None
+            if not isinstance(e, FileNotFoundError):
+                raise
+            found = False
+        if not found:
+            raise StoreError(f"no store at {uri}: nothing is stored there (check the URI; "
+                             "`deltasync push` starts a chain)")
     return Store(fs, root, uri)

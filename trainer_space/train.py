@@ -109,5 +109,9 @@ def _train(settings: RunSettings, generation_url: str, monitor: Monitor,
                                environment_factory=functools.partial(WordleGame, settings.env_url),
                                weight_transfer=transfer,
                                callbacks=[_callback(monitor, stop or threading.Event())])
-    trainer.train()
+    try:
+        trainer.train()
+    except BaseException:
+        transfer.destroy()  # upload what was queued and free the store for the next run
+        raise
     return transfer

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from shared.process import wait_healthy
-from shared.publisher import DeltaPublisher, PublishReport
+from shared.publisher import DeltaPublisher, PublishError, PublishReport
 
 
 class ReplicaLagError(RuntimeError):
@@ -76,12 +76,13 @@ class DeltaSyncTransfer:
         """Return once every replica serves the version just sent (see the module docstring)."""
         assert self.publisher is not None and self._pending is not None, "resume() before send_weights()"
         t0 = time.perf_counter()
-        self.publisher.flush()
         report, self._pending = self._pending, None
+        try:
+            report.wait()
+        except PublishError as e:
+            raise ReplicaLagError(str(e)) from None
         self.timings.append({"version": report.version, "encode_s": report.encode_s,
                              "wait_s": time.perf_counter() - t0})
-        if report.kind == "failed":
-            raise ReplicaLagError(f"v{report.version} could not be uploaded: {self.publisher.errors[-1:]}")
         behind = {url: answer for url, answer in report.replicas.items()
                   if answer.get("version") != report.version}
         if behind:
