@@ -1,14 +1,15 @@
-"""``python -m rollout_space --model MODEL --store STORE --port PORT [--token T] [vLLM options]``
+"""A vLLM replica that follows a DeltaSync version chain: it serves the OpenAI API of `vllm serve`
+and applies each new version's exact bf16 delta to its live weights in place.
 
-Every ``vllm serve`` engine option is accepted (``--enforce-eager``, ``--max-model-len``,
-``--tensor-parallel-size``, ...). The bearer token for ``/update``, ``/pause``, ``/resume`` and
-``/weights/digest?fresh=true`` comes from ``--token`` or ``DELTASYNC_TOKEN``. Bound to anything but a
-loopback address (the default ``--host`` is every interface) the server refuses to start without
-one, unless ``--insecure-no-token`` is given; the refusal comes before vLLM loads anything.
+The bearer token for /update, /pause, /resume and /weights/digest?fresh=true comes from --token or
+DELTASYNC_TOKEN. Bound to anything but a loopback address (the default --host is every interface)
+the server refuses to start without one, unless --insecure-no-token is given; the refusal comes
+before vLLM loads anything.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -17,45 +18,99 @@ from shared.access import open_without_token
 from shared.spaces import Deployment
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+USAGE = ("python -m rollout_space --model MODEL --store STORE [--host HOST] [--port PORT] [--token TOKEN]\n"
+         "                             [DeltaSync options] [any `vllm serve` option]")
+ENGINE_HELP = """vLLM options:
+  Every `vllm serve` option is accepted (--enforce-eager, --max-model-len,
+  --tensor-parallel-size, --api-key, ...). --help=all lists all of them,
+  --help=GROUP one group (ModelConfig, CacheConfig, ParallelConfig, Frontend,
+  ...), --help=WORD the options whose name contains WORD.
+"""
+_SERVER_FLAGS = ("--model", "--host", "--port", "--api-key")
 
 
-def default_store() -> str:
+def default_store() -> str | None:
+    """DELTASYNC_STORE, else (inside a Space) the bucket derived from SPACE_ID, else None."""
     if store := os.environ.get("DELTASYNC_STORE"):
         return store
     home = Deployment.of_space(os.environ.get("SPACE_ID"))  # a duplicated Space finds its bucket
-    return home.store if home else "./bucket"
+    return home.store if home else None
+
+
+def _parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser, SortedHelpFormatter
+
+    class Formatter(SortedHelpFormatter):
+        def _get_help_string(self, action):  # ours state their defaults (never the token's value)
+            return action.help if getattr(action, "deltasync", False) else super()._get_help_string(action)
+
+    class Parser(FlexibleArgumentParser):
+        """``--help`` shows our options and the few server ones first; ``--help=all`` or
+        ``--help=GROUP`` shows vLLM's own, as ``vllm serve`` does."""
+
+        def format_help(self):
+            if self._search_keyword is not None:
+                return super().format_help()
+            f = self._get_formatter()
+            f.add_usage(self.usage, [], [])
+            f.add_text(self.description)
+            ours = next(g for g in self._action_groups if g.title == "DeltaSync")
+            f.start_section("DeltaSync options")
+            argparse.HelpFormatter.add_arguments(f, ours._group_actions)  # in their order, not sorted
+            f.end_section()
+            f.start_section("server options (vLLM's)")
+            f.add_arguments([a for a in self._actions if set(a.option_strings) & set(_SERVER_FLAGS)])
+            f.end_section()
+            return f.format_help() + "\n" + ENGINE_HELP
+
+    return make_arg_parser(Parser(prog="python -m rollout_space", usage=USAGE, description=__doc__,
+                                  formatter_class=Formatter))
 
 
 def parse_args(argv: list[str] | None = None):
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(FlexibleArgumentParser(prog="python -m rollout_space", description=__doc__))
+    parser = _parser()
     g = parser.add_argument_group("DeltaSync")
-    g.add_argument("--store", default=default_store(),
-                   help="version chain: a folder, hf://buckets/ns/name/prefix or s3://bucket/prefix (env "
-                        "DELTASYNC_STORE; inside a Space hf://buckets/<namespace>/deltasync/run1, else ./bucket)")
-    g.add_argument("--token", default=os.environ.get("DELTASYNC_TOKEN"),
-                   help="bearer token for /update, /pause, /resume and /weights/digest?fresh=true (env "
-                        "DELTASYNC_TOKEN, which keeps it out of the process list); required on a "
-                        "non-loopback --host")
-    g.add_argument("--insecure-no-token", action="store_true",
-                   help="serve on a non-loopback address without a token: anyone who can reach the port "
-                        "may then update, pause and resume this replica")
-    g.add_argument("--max-body-bytes", type=int,
-                   default=int(os.environ.get("DELTASYNC_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)),
-                   help="largest HTTP request body; larger ones get 413 (env DELTASYNC_MAX_BODY_BYTES, "
-                        "default 16 MiB)")
-    g.add_argument("--map-cache", default=os.environ.get("DELTASYNC_MAP_CACHE"),
-                   help="folder for cached checkpoint->engine maps (default ~/.cache/deltasync/maps)")
-    g.add_argument("--work-dir", default=None, help="folder for downloaded objects (default: a temp dir)")
-    g.add_argument("--poll-s", type=float, default=10.0,
-                   help="check the store's latest version this often, in case a notification is lost "
-                        "(0: only on POST /update)")
-    g.add_argument("--no-predict", dest="predict", action="store_false",
-                   help="skip predicting each touched tensor's digest before the write (the read-back "
-                        "audit after it still runs)")
+    store = default_store()
+    options = [
+        (("--store",), dict(default=store, help=(
+            "version chain to follow: a folder, hf://buckets/NAMESPACE/NAME[/PREFIX] (token: HF_TOKEN) or "
+            "s3://BUCKET[/PREFIX] (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY). Required; default: env "
+            "DELTASYNC_STORE, or inside a Space hf://buckets/<namespace>/deltasync/run1 derived from "
+            f"SPACE_ID ({'here: ' + store if store else 'neither is set here'})"))),
+        (("--token",), dict(default=os.environ.get("DELTASYNC_TOKEN"), help=(
+            "bearer token for /update, /pause, /resume and /weights/digest?fresh=true; required on a "
+            "non-loopback --host (default: env DELTASYNC_TOKEN, which keeps it out of the process list; "
+            f"{'set' if os.environ.get('DELTASYNC_TOKEN') else 'unset'} here)"))),
+        (("--insecure-no-token",), dict(action="store_true", help=(
+            "serve on a non-loopback address without a token: anyone who can reach the port may then "
+            "update, pause and resume this replica (default: off)"))),
+        (("--max-body-bytes",), dict(type=int, default=int(os.environ.get("DELTASYNC_MAX_BODY_BYTES",
+                                                                          DEFAULT_MAX_BODY_BYTES)),
+                                     help="largest HTTP request body; larger ones get 413 (default: %(default)s; "
+                                          "env DELTASYNC_MAX_BODY_BYTES, else 16 MiB)")),
+        (("--map-cache",), dict(default=os.environ.get("DELTASYNC_MAP_CACHE"), help=(
+            "folder for cached checkpoint->engine maps (default: env DELTASYNC_MAP_CACHE, else "
+            "~/.cache/deltasync/maps)"))),
+        (("--work-dir",), dict(default=None, help="folder for downloaded objects (default: a new temporary "
+                                                  "folder)")),
+        (("--poll-s",), dict(type=float, default=10.0, help=(
+            "check the store's latest version this often, in seconds, in case a notification is lost; "
+            "0: only on POST /update (default: %(default)s)"))),
+        (("--no-predict",), dict(dest="predict", action="store_false", help=(
+            "skip predicting each touched tensor's digest before the write; the read-back audit after it "
+            "still runs (default: predict)"))),
+    ]
+    for flags, kwargs in options:
+        g.add_argument(*flags, **kwargs).deltasync = True
+    for action in parser._actions:  # vLLM's --host default (None) means every interface, here too
+        if "--host" in action.option_strings:
+            action.help, action.deltasync = ("address to listen on (default: every interface, 0.0.0.0; "
+                                             "anything but loopback needs --token)"), True
     args = parser.parse_args(argv)
+    if not args.store:
+        parser.error("--store is required (or set DELTASYNC_STORE): a folder, "
+                     "hf://buckets/NAMESPACE/NAME[/PREFIX] or s3://BUCKET[/PREFIX]")
     if args.max_body_bytes < 1:
         parser.error("--max-body-bytes must be at least 1")
     if args.model_tag and not getattr(args, "model", None):
@@ -71,8 +126,8 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
+    args = parse_args(argv)  # before logging is set up: --help and usage errors stay plain
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = parse_args(argv)
     if open_without_token(args.host, args.token, args.insecure_no_token):
         print(f"python -m rollout_space: refusing to serve on {args.host or '0.0.0.0'} without an update "
               "token (anyone could update, pause or resume this replica); set --token or DELTASYNC_TOKEN, "

@@ -6,8 +6,11 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import safetensors
 import safetensors.torch
 import torch
+
+from .errors import DeltaError
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -28,24 +31,54 @@ def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the file itself, the shards a folder's index names,
+    or a folder's single ``.safetensors`` file. Several files without an index are refused: which
+    of them make up the checkpoint (and which wins where they overlap) would be a guess."""
     p = Path(path)
     if p.is_file():
         return [p]
-    index = p / "model.safetensors.index.json"
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or folder")
+    index = p / INDEX
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DeltaError("format", f"{index}: not a safetensors index ({str(e).splitlines()[0]})") from None
+        missing = [s for s in shards if not (p / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are not there: {', '.join(missing[:3])}")
         return [p / s for s in shards]
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no safetensors checkpoint at {p}")
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files[:3]) + (", ..." if len(files) > 3 else "")
+        raise DeltaError("format", f"{p}: {len(files)} .safetensors files ({names}) and no {INDEX}; "
+                                   "give one file, or add the index that says which shards form the checkpoint")
     return files
 
 
 def load_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint. A tensor name in two shards is refused (no file silently
+    wins), and so is a file that is not safetensors."""
     state: dict[str, torch.Tensor] = {}
+    seen: dict[str, Path] = {}
     for f in checkpoint_files(path):
-        state.update(safetensors.torch.load_file(str(f)))
+        try:
+            tensors = safetensors.torch.load_file(str(f))
+        except safetensors.SafetensorError as e:
+            raise DeltaError("format", f"{f}: not a safetensors file ({str(e).splitlines()[0]})") from None
+        for name in tensors:
+            if name in seen:
+                raise DeltaError("format", f"{path}: tensor {name!r} is in both {seen[name].name} and "
+                                           f"{f.name}; a checkpoint holds each tensor once")
+            seen[name] = f
+        state.update(tensors)
     return state
 
 

