@@ -345,12 +345,16 @@ def push(store: str = STORE,
          compact: bool = typer.Option(False, help="positions per exponent class (see diff)"),
          allow_empty: bool = typer.Option(False, "--allow-empty",
                                           help="publish a version even when CHECKPOINT equals the latest"),
+         keep_anchors: int = typer.Option(2, min=1, help="after an anchor, delete versions older than the "
+                                                         "newest KEEP_ANCHORS anchors"),
          as_json: bool = JSON) -> None:
     """Publish CHECKPOINT as the store's next version.
 
     A delta, plus an anchor by policy. The first push to a store (a new folder is created)
-    publishes version 0 as an anchor.
-    Floating-point tensors are published as bfloat16, what replicas serve.
+    publishes version 0 as an anchor. Floating-point tensors are published as bfloat16, what
+    replicas serve. Retention: when this version brings an anchor, versions older than the newest
+    --keep-anchors anchors (default 2) are deleted, and listed. The store must have no other
+    writer (see fsck --break-lock).
     """
     import torch
 
@@ -378,7 +382,7 @@ def push(store: str = STORE,
             state = reconstruct(chain, progress=_bars(as_json))[0]
             _same_layout(state, new, f"v{latest.version}", str(checkpoint),
                          "; a chain keeps the same tensors, shapes and dtypes")
-        with DeltaPublisher(state, chain.store, compact=compact) as pub:
+        with DeltaPublisher(state, chain.store, compact=compact, keep_anchors=keep_anchors) as pub:
             if latest is not None:
                 for n in state:
                     state[n].copy_(new[n])
@@ -395,6 +399,8 @@ def push(store: str = STORE,
     else:
         what = f"{r.changed:,} of {r.numel:,} elements changed" if r.changed else "no element changed"
         typer.echo(f"v{r.version} ({r.kind}): {what}, {r.payload_bytes:,} bytes")
+    if r.dropped and not as_json:
+        typer.echo(f"retention (--keep-anchors {keep_anchors}) deleted v{r.dropped[0]}..v{r.dropped[-1]}")
 
 
 @app.command()
@@ -447,6 +453,7 @@ def squash(store: str = STORE,
     import blake3
 
     from .chain import Chain, ObjectRef, delta_key, reconstruct
+    from .lock import WriterLock
     from .squash import squash_onto
 
     if end is not None and start >= end:
@@ -475,7 +482,8 @@ def squash(store: str = STORE,
         data = squash_onto(base, files)
         ref = ObjectRef(kind="delta", version=end, base_version=start, key=delta_key(start, end),
                         size=len(data), blake3=blake3.blake3(data).hexdigest())
-        chain.add_object(end, ref.key, data, ref)
+        with WriterLock(chain.store, "deltasync squash"):
+            chain.add_object(end, ref.key, data, ref)
     total = sum(f.size for f in files)
     if as_json:
         _emit({"key": ref.key, "base_version": start, "version": end, "file_bytes": len(data),
@@ -508,6 +516,45 @@ def log_(store: str = STORE,
         t.add_row(str(m.version), objs, f"{sum(o.size for o in m.objects):,}",
                   f"{m.changed / max(m.numel, 1):.3%}", m.commitment[:16])
     _table(t)
+
+
+@app.command()
+def fsck(store: str = STORE,
+         repair: bool = typer.Option(False, "--repair", help="move latest to the newest restorable version and "
+                                                            "delete what no reader may follow"),
+         break_lock: bool = typer.Option(False, "--break-lock", help="remove writer.lock first; only when its "
+                                                                     "writer is surely gone"),
+         as_json: bool = JSON) -> None:
+    """Check every object of a store's chain against its manifest; with --repair, fix it.
+
+    Exit status 0 when the chain is whole (after a repair, if asked), 1 when problems remain.
+    """
+    from .fsck import check
+    from .fsck import repair as repair_chain
+    from .lock import break_lock as remove_lock
+
+    with _reaching(store):
+        st = open_store(store, create=False)
+        broken = remove_lock(st) if break_lock else None
+        report = repair_chain(st) if repair else check(st)
+    if as_json:
+        _emit(report.as_dict() | {"broke_lock": broken.model_dump() if broken else None})
+    else:
+        if broken:
+            typer.echo(f"removed the writer lock of {broken.describe()}")
+        for line in report.repaired:
+            typer.echo(f"repaired: {line}")
+        for f in report.problems:
+            typer.echo(f"problem: {f.what}")
+        for key in report.orphans:
+            typer.echo(f"orphan: {key} (no manifest names it; --repair deletes it)")
+        if report.writer:
+            typer.echo(f"writer: {report.writer.describe()}{' (stale)' if report.writer.stale() else ''}")
+        typer.echo(f"{store}: latest v{report.latest if report.latest is not None else '-'}, "
+                   f"{len(report.restorable)} of {len(report.versions)} versions restorable: "
+                   + ("ok" if report.ok else "NOT OK" + ("" if repair else " (--repair fixes it)")))
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 spaces_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,

@@ -50,7 +50,7 @@ class FsckReport:
     def as_dict(self) -> dict:
         d = asdict(self)
         d.pop("bad_refs")
-        return d | {"ok": self.ok}
+        return d | {"ok": self.ok, "writer": self.writer.model_dump() if self.writer else None}
 
 
 def _check_ref(chain: Chain, m: Manifest, ref: ObjectRef, manifests: dict[int, Manifest], tmp: Path) -> str | None:
@@ -142,7 +142,6 @@ def repair(store: Store) -> FsckReport:
             if found.versions:
                 raise DeltaError("missing", f"{store.uri}: no version can be rebuilt; publish a new anchor "
                                  "into an empty store")
-            found.repaired = done
             return found
         ceiling = found.latest if found.latest is not None else max(found.restorable)
         below = [v for v in found.restorable if v <= ceiling]
@@ -164,6 +163,6 @@ def repair(store: Store) -> FsckReport:
         for key in check(store).orphans:  # objects only the removed manifests named, temporary leftovers
             store.delete(key)
             done.append(f"deleted {key}")
-        result = check(store)
-        result.repaired = done
-        return result
+    result = check(store)
+    result.repaired = done
+    return result

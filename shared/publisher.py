@@ -9,6 +9,7 @@ queue, strictly in version order, so training only waits when uploads fall behin
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import queue
 import tempfile
@@ -16,7 +17,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx
@@ -71,8 +72,7 @@ class PublishReport:
         return self
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("_done")
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "_done"}
         return d | {"changed_fraction": self.changed_fraction}
 
 
@@ -307,12 +307,13 @@ class DeltaPublisher:
                 if job.tmpdir is not None:
                     job.tmpdir.cleanup()
                 self.reports.append(job.report)
-                try:
-                    if self.on_report:
+                if self.on_report:
+                    try:
                         self.on_report(job.report)
-                finally:
-                    job.report._done.set()
-                    self._queue.task_done()
+                    except Exception:  # a caller's callback must not stop the uploads
+                        log.exception("on_report failed for v%d", job.header.version)
+                job.report._done.set()
+                self._queue.task_done()
 
     def _upload(self, job: _Job) -> None:
         t0 = time.perf_counter()

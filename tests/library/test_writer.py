@@ -214,3 +214,84 @@ def test_fsck_repair_waits_for_no_live_writer(tmp_path):
         with pytest.raises(DeltaError, match="already has a writer"):
             repair(open_store(tmp_path))
         assert check(open_store(tmp_path)).writer.command == "DeltaPublisher"
+
+
+# ---------------------------------------------------------------------------------------- the CLI
+
+CLI = [sys.executable, "-m", "shared.cli"]
+
+
+def deltasync(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def checkpoints(folder, n: int) -> list[str]:
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    state = {"a.weight": torch.randn(64, 64).bfloat16()}
+    names = []
+    for i in range(n):
+        if i:
+            state["a.weight"][i, :3] += 1
+        names.append(f"c{i}.safetensors")
+        save_file(state, str(folder / names[-1]))
+    return names
+
+
+def listing(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_cli_push_and_squash_refuse_while_another_writer_holds_the_store(tmp_path):
+    files = checkpoints(tmp_path, 4)
+    for f in files[:3]:
+        assert deltasync("push", "st", f, cwd=tmp_path).returncode == 0
+    store = open_store(tmp_path / "st")
+    with WriterLock(store, "a trainer elsewhere"):
+        before = listing(tmp_path / "st")
+        for args in (("push", "st", files[3]), ("squash", "st", "--from", "0", "--to", "2")):
+            r = deltasync(*args, cwd=tmp_path)
+            assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+            assert "already has a writer: a trainer elsewhere" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert listing(tmp_path / "st") == before
+    r = deltasync("push", "st", files[3], cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("v3 (delta)"), r.stderr
+
+
+def test_cli_push_names_what_retention_deleted(tmp_path):
+    files = checkpoints(tmp_path, 6)
+    outs = [deltasync("push", "st", f, "--keep-anchors", "1", cwd=tmp_path) for f in files]
+    assert all(r.returncode == 0 for r in outs)
+    text = "".join(r.stdout for r in outs)
+    assert "retention (--keep-anchors 1) deleted v0..v3" in text  # the anchor at v4 (max 4 deltas) frees v0..v3
+    assert Chain(open_store(tmp_path / "st")).versions() == [4, 5]
+
+
+def test_cli_fsck_finds_repairs_and_breaks_locks(tmp_path):
+    files = checkpoints(tmp_path, 4)
+    for f in files:
+        assert deltasync("push", "st", f, cwd=tmp_path).returncode == 0
+    r = deltasync("fsck", "st", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "st: latest v3, 4 of 4 versions restorable: ok", r.stdout
+    store = open_store(tmp_path / "st")
+    raw = store.get(delta_key(2, 3))
+    store.put(delta_key(2, 3), raw[:-1] + bytes([raw[-1] ^ 1]))  # bit rot in the newest delta
+    plant_lock(store, pid=dead_pid())
+    r = deltasync("fsck", "st", cwd=tmp_path)
+    assert r.returncode == 1 and "problem: deltas/v00000003.safetensors" in r.stdout and "NOT OK" in r.stdout
+    assert "(stale)" in r.stdout
+    r = deltasync("fsck", "st", "--repair", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+
+    report = json.loads(r.stdout)
+    assert report["ok"] and report["latest"] == 2 and "latest -> v2" in report["repaired"]
+    assert report["writer"] is None  # the stale lock was taken over, then released
+    assert deltasync("pull", "st", "-o", "v2.safetensors", cwd=tmp_path).returncode == 0
+    plant_lock(store, pid=os.getpid(), host="elsewhere")
+    r = deltasync("fsck", "st", "--break-lock", cwd=tmp_path)
+    assert r.returncode == 0 and "removed the writer lock of another trainer" in r.stdout
+    assert read_holder(store) is None
