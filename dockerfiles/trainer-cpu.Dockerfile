@@ -1,8 +1,8 @@
 # Trainer Space, CPU variant (small models): trl's AsyncGRPOTrainer + the Gradio page on one port.
-# Build from a rendered Space folder:  deltasync spaces render out && docker build -t trainer-cpu out/trainer-cpu
+# Build from a rendered Space folder:  deltasync spaces render out --cpu && docker build -t trainer-cpu out/trainer
 # Run:  docker run -p 7860:7860 -e DELTASYNC_MODEL=Qwen/Qwen3-0.6B \
-#         -e DELTASYNC_STORE=hf://buckets/<ns>/<bucket>/run1 -e DELTASYNC_REPLICAS=https://<ns>-rollout.hf.space \
-#         -e DELTASYNC_ENV_URL=https://<ns>-wordle.hf.space -e DELTASYNC_TOKEN=... -e HF_TOKEN=... trainer
+#         -e DELTASYNC_STORE=hf://buckets/<ns>/<bucket>/run1 -e DELTASYNC_REPLICAS=https://<ns>-deltasync-rollout.hf.space \
+#         -e DELTASYNC_ENV_URL=https://<ns>-deltasync-wordle.hf.space -e DELTASYNC_TOKEN=... -e HF_TOKEN=... trainer-cpu
 FROM python:3.11-slim
 
 # TOKENIZERS_PARALLELISM is not a secret (DL3064 matches on the name).

@@ -1,8 +1,8 @@
 # Trainer Space, GPU: trl's AsyncGRPOTrainer + the Gradio monitoring page on one port.
 # Build from a rendered Space folder:  deltasync spaces render out && docker build -t trainer out/trainer
 # Run:  docker run --gpus all -p 7860:7860 -e DELTASYNC_MODEL=Qwen/Qwen3-0.6B \
-#         -e DELTASYNC_STORE=hf://buckets/<ns>/<bucket>/run1 -e DELTASYNC_REPLICAS=https://<ns>-rollout.hf.space \
-#         -e DELTASYNC_ENV_URL=https://<ns>-wordle.hf.space -e DELTASYNC_TOKEN=... -e HF_TOKEN=... trainer
+#         -e DELTASYNC_STORE=hf://buckets/<ns>/<bucket>/run1 -e DELTASYNC_REPLICAS=https://<ns>-deltasync-rollout.hf.space \
+#         -e DELTASYNC_ENV_URL=https://<ns>-deltasync-wordle.hf.space -e DELTASYNC_TOKEN=... -e HF_TOKEN=... trainer
 FROM python:3.11-slim
 
 # TOKENIZERS_PARALLELISM is not a secret (DL3064 matches on the name).

@@ -224,27 +224,33 @@ class Chain:
                 numel: int = 0, changed: int = 0, dense_bytes: int = 0) -> Manifest:
         """Upload ``objects`` (key -> data), then the manifest, then move ``latest`` (last).
 
-        Refuses (``conflict``) when ``latest`` is already at or past this version, or when the
-        version's manifest exists with another commitment: both mean a second writer, or an
+        Refuses (``conflict``), before writing anything, when ``latest`` is already past this
+        version or this version's manifest exists with another commitment: a second writer, or an
         unfinished publish that ``deltasync fsck --repair`` clears. A retry of this very publish
-        finds its own manifest and goes on.
+        (same commitment) finds its own manifest or ``latest`` and completes.
         """
+        def conflict(why: str) -> DeltaError:
+            return DeltaError("conflict", f"{self.store.uri}: {why}, cannot publish v{header.version} (another "
+                              f"writer, or an unfinished publish: run `deltasync fsck {self.store.uri} --repair`)")
+
         latest = self.latest()
         if latest is not None and latest.version >= header.version:
-            raise DeltaError("conflict", f"{self.store.uri}: latest is already v{latest.version}, cannot publish "
-                             f"v{header.version} (another writer?)")
-        for key, data in objects.items():
-            self.store.put(key, data)
+            if latest.version == header.version and latest.commitment == header.commitment:
+                return self.manifest(header.version, refresh=True)  # an earlier attempt got this far
+            raise conflict(f"latest is already v{latest.version}")
+        key = manifest_key(header.version)
+        if self.store.exists(key) and self.manifest(header.version, refresh=True).commitment != header.commitment:
+            raise conflict(f"v{header.version} already exists with other contents")
+        for obj_key, data in objects.items():
+            self.store.put(obj_key, data)
         m = Manifest(version=header.version, commitment=header.commitment,
                      base_commitment=header.base_commitment,
                      state_digest=header.state_digest, created=time.time(), objects=refs,
                      changed=changed, numel=numel or header.numel, dense_bytes=dense_bytes or header.dense_bytes)
-        if not self.store.create(manifest_key(m.version), m.model_dump_json(indent=1).encode()):
+        if not self.store.create(key, m.model_dump_json(indent=1).encode()):
             held = self.manifest(m.version, refresh=True)
             if held.commitment != m.commitment:
-                raise DeltaError("conflict", f"{self.store.uri}: v{m.version} already exists with other contents "
-                                 f"(another writer, or an unfinished publish: run `deltasync fsck {self.store.uri} "
-                                 "--repair`)")
+                raise conflict(f"v{m.version} appeared with other contents meanwhile")
             m = held
         self._manifests[m.version] = m
         self.store.put(LATEST, Latest(version=m.version, commitment=m.commitment).model_dump_json().encode())

@@ -5,8 +5,8 @@ non-transactional store: a writer that died between its manifest and ``latest.js
 damaged or deleted by hand, or (before the writer lock) two writers interleaving. ``check``
 verifies every object against its manifest (size, blake3, the commitments in its header) and
 works out which versions can still be rebuilt; ``repair`` moves ``latest`` to the newest of those
-at or below it, then removes what no reader may follow: manifests past it or unreachable, refs to
-damaged objects, objects no manifest names and leftover temporary uploads.
+at or below it, then removes what no reader may follow: manifests past it, unreadable or
+unreachable, refs to damaged objects, objects no manifest names and leftover temporary uploads.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class FsckReport:
     latest: int | None
     versions: list[int]  # versions with a readable manifest
     restorable: list[int]  # versions whose state the checked objects rebuild
+    unreadable: list[int] = field(default_factory=list)  # versions whose manifest does not parse
     problems: list[Finding] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)  # objects no manifest names, temporary leftovers
     writer: Holder | None = None
@@ -80,11 +81,13 @@ def check(store: Store) -> FsckReport:
     chain = Chain(store)
     problems: list[Finding] = []
     manifests: dict[int, Manifest] = {}
+    unreadable: list[int] = []
     for v in chain.versions():
         try:
             manifests[v] = chain.manifest(v, refresh=True)
         except DeltaError as e:
             problems.append(Finding(f"manifest v{v} is unreadable: {e.message}", v, manifest_key(v)))
+            unreadable.append(v)
     try:
         raw = store.get(LATEST)
         latest: Latest | None = Latest.model_validate_json(raw)
@@ -128,7 +131,7 @@ def check(store: Store) -> FsckReport:
     orphans = [k for folder in OBJECT_FOLDERS for k in store.list(folder, include_tmp=True) if k not in named]
     orphans += [k for k in store.list("manifests", include_tmp=True) if ".tmp-" in k]
     return FsckReport(store=store.uri, latest=latest.version if latest else None, versions=sorted(manifests),
-                      restorable=sorted(restorable), problems=problems, orphans=orphans,
+                      restorable=sorted(restorable), unreadable=unreadable, problems=problems, orphans=orphans,
                       writer=read_holder(store), bad_refs=bad_refs)
 
 
@@ -138,14 +141,17 @@ def repair(store: Store) -> FsckReport:
     with WriterLock(store, "deltasync fsck --repair"):
         found = check(store)
         done: list[str] = []
-        if not found.restorable:
-            if found.versions:
-                raise DeltaError("missing", f"{store.uri}: no version can be rebuilt; publish a new anchor "
-                                 "into an empty store")
-            return found
-        ceiling = found.latest if found.latest is not None else max(found.restorable)
+        ceiling = found.latest if found.latest is not None else max(found.restorable, default=-1)
         below = [v for v in found.restorable if v <= ceiling]
-        target = max(below) if below else min(found.restorable)
+        if not below:
+            if found.versions or found.unreadable:
+                raise DeltaError("missing", f"{store.uri}: no version at or below latest can be rebuilt; "
+                                 "publish a new anchor into an empty store")
+            return found
+        target = max(below)
+        for v in found.unreadable:
+            store.delete(manifest_key(v))
+            done.append(f"deleted unreadable manifest v{v}")
         chain = Chain(store)
         m = chain.manifest(target, refresh=True)
         if found.latest != target or any(f.key == LATEST for f in found.problems):

@@ -5,7 +5,9 @@ writer (``DeltaPublisher``, ``deltasync push``/``squash``/``fsck --repair``) hol
 ``writer.lock`` for as long as it writes. The lock names its holder and is renewed every
 ``ttl_s / 4``; one whose process is gone (same host) or that was not renewed for ``ttl_s`` is
 stale and may be taken over, so a restarted Space does not wait on its dead predecessor. How
-exclusive the create is depends on the backend (see :meth:`Store.create`).
+exclusive the create is depends on the backend (see :meth:`Store.create`); a takeover or a
+renewal racing another writer within one round trip is noticed at the next renewal, and
+``Chain.publish`` refuses a version that another writer already published.
 """
 
 from __future__ import annotations
@@ -89,8 +91,12 @@ class WriterLock:
                 raise DeltaError("locked", f"{self.store.uri} already has a writer: {holder.describe()}. "
                                  "Two writers would corrupt the chain; wait for it to finish, or if it is gone "
                                  f"run `deltasync fsck {self.store.uri} --break-lock`")
-            log.warning("%s: taking over the stale writer lock of %s", self.store.uri, holder.describe())
-            self.store.delete(LOCK_KEY)
+            # Delete only the stale lock we read: a contender may have replaced it meanwhile. (A window
+            # of one round trip remains; the loser notices at its first renewal, in ttl_s / 4.)
+            again = read_holder(self.store)
+            if again is not None and again.id == holder.id:
+                log.warning("%s: taking over the stale writer lock of %s", self.store.uri, holder.describe())
+                self.store.delete(LOCK_KEY)
         raise DeltaError("locked", f"{self.store.uri}: could not take the writer lock (contended)")
 
     def check(self) -> None:

@@ -27,6 +27,7 @@ from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_fo
 from .checkpoint import module_state
 from .codec import Header, anchor_header, build_delta, encode_state, save_anchor, save_delta
 from .digest import tensor_digest
+from .errors import DeltaError
 from .lock import WriterLock
 from .stores import Store, open_store
 
@@ -119,8 +120,6 @@ class DeltaPublisher:
                  on_report: Callable[[PublishReport], None] | None = None):
         self.model, self.dtype = model, dtype
         self.store = open_store(store) if isinstance(store, str) else store
-        self._lock = WriterLock(self.store, "DeltaPublisher").acquire()  # one writer per store
-        self._closed = False
         self.chain = Chain(self.store)
         self.replicas, self.token = list(replicas), token
         self.policy, self.keep_anchors = policy or AnchorPolicy(), keep_anchors
@@ -134,6 +133,9 @@ class DeltaPublisher:
         self._force_anchor = False
         self._broken = False  # an upload failed for good: skip deltas until an anchor lands
         self.errors: list[str] = []
+        # One writer per store; taken last, so nothing above can fail while holding it.
+        self._lock = WriterLock(self.store, "DeltaPublisher").acquire()
+        self._closed = False
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._worker = threading.Thread(target=self._run, name="deltasync-upload", daemon=True)
         self._worker.start()
@@ -323,12 +325,15 @@ class DeltaPublisher:
                                    dense_bytes=job.report.dense_bytes)
                 break
             except Exception as e:
-                if attempt == self.retries:
+                if attempt == self.retries or (isinstance(e, DeltaError) and e.reason in ("conflict", "locked")):
                     raise
                 log.warning("upload of v%d failed (%s); retrying", job.header.version, e)
                 time.sleep(self.backoff_s * 2**attempt)
         if any(r.kind == "anchor" for r in job.refs) and job.header.version > 0:
-            job.report.dropped = self.chain.retain(self.keep_anchors)
+            try:
+                job.report.dropped = self.chain.retain(self.keep_anchors)
+            except Exception:  # the version landed; old versions stay until the next anchor
+                log.exception("%s: retention after v%d failed", self.store.uri, job.header.version)
             if job.report.dropped:
                 log.info("%s: retention (keep_anchors=%d) deleted v%d..v%d", self.store.uri, self.keep_anchors,
                          job.report.dropped[0], job.report.dropped[-1])

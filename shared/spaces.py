@@ -171,9 +171,9 @@ class Deployment:
     hardware: dict[str, str] = field(default_factory=lambda: {
         "trainer": "cpu-basic", "rollout": "cpu-basic", "env": "cpu-basic"})
     duplicate_from: str | None = None  # a namespace that already holds the three Spaces
-    hf_token: str = ""  # lets the trainer write and the replicas read the (private) bucket
-    update_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
-    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    hf_token: str = field(default="", repr=False)  # lets the trainer write, the replicas read the bucket
+    update_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @classmethod
     def of_space(cls, space_id: str | None) -> Deployment | None:

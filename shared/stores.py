@@ -90,6 +90,14 @@ class Store:
                 return True
             except FileExistsError:
                 return False
+            except OSError:  # a filesystem without hard links: exclusive, not atomic for readers
+                try:
+                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                return True
             finally:
                 os.unlink(tmp)
         if self.uri.startswith("s3://"):

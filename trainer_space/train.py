@@ -109,9 +109,5 @@ def _train(settings: RunSettings, generation_url: str, monitor: Monitor,
                                environment_factory=functools.partial(WordleGame, settings.env_url),
                                weight_transfer=transfer,
                                callbacks=[_callback(monitor, stop or threading.Event())])
-    try:
-        trainer.train()
-    except BaseException:
-        transfer.destroy()  # upload what was queued and free the store for the next run
-        raise
+    trainer.train()  # trl calls transfer.destroy() (the publisher's close) in a finally
     return transfer
