@@ -12,6 +12,7 @@ Two kinds of patch, both with ``apply()`` and ``revert()``:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -148,19 +149,66 @@ def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
     return map_balanced(one, names, [delta.header.tensors[n].changed for n in names])
 
 
+class _Writes:
+    """Run patch writes on the tensor threads so that a failure stops them all: once one write
+    fails (or the caller is interrupted), no batch starts another write, and :meth:`stop` returns
+    only when the writes in flight have finished, so a rollback after it sees every write."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._active = 0
+        self.error: BaseException | None = None
+
+    def one(self, p: Patch | InPlacePatch) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            self._active += 1
+        try:
+            p.apply()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by run()
+            with self._cond:
+                if self.error is None:
+                    self.error = e
+                self._stopped = True
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.wait_for(lambda: self._active == 0)
+
+    def run(self, patches: list[Patch | InPlacePatch]) -> None:
+        try:
+            map_balanced(self.one, patches,
+                         [p.target.numel() if p.positions is None else p.positions.numel() for p in patches])
+        finally:
+            self.stop()
+        if self.error is not None:
+            raise self.error
+
+
 def commit(patches: list[Patch | InPlacePatch], verify: Mapping[str, str] | None = None,
            target: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write all patches (several tensors at a time); if a digest in ``verify`` (name -> digest)
-    then fails, or anything else does, revert every write."""
+    then fails, or anything else does, revert every write.
+
+    All or nothing under threads too: after a failed write no other batch writes, and the
+    rollback starts only once every write in flight has finished."""
+    writes = _Writes()
     try:
-        map_balanced(lambda p: p.apply(), patches,
-                     [p.target.numel() if p.positions is None else p.positions.numel() for p in patches])
+        writes.run(patches)
         names = list(verify or {})
         digests = map_balanced(lambda n: tensor_digest(target[n]), names, [target[n].numel() for n in names])
         for name, digest in zip(names, digests):
             if digest != verify[name]:
                 raise DeltaError("digest_mismatch", f"{name}: digest after apply does not match")
     except BaseException:
+        writes.stop()  # an interrupt while waiting on the threads: let them finish first
         for p in reversed(patches):
             if p.applied:
                 p.revert()

@@ -2,13 +2,16 @@
 
 ``DeltaPublisher.publish()`` is called right after ``optimizer.step()``. Detection and encoding
 run synchronously against one bf16 snapshot (the weights may change again as soon as it returns);
-uploading, moving ``latest`` and notifying replicas run in one background thread behind a bounded
-queue, strictly in version order, so training only waits when uploads fall behind.
+uploading and moving ``latest`` run in one background thread behind a bounded queue, strictly in
+version order, so training only waits when uploads fall behind. Each replica is notified by a
+thread of its own, in version order, so a slow or unreachable replica delays neither the uploads
+nor the other replicas; a report is done once its version landed and every replica answered.
 """
 
 from __future__ import annotations
 
 import atexit
+import bisect
 import copy
 import logging
 import queue
@@ -53,6 +56,8 @@ class PublishReport:
     error: str | None = None  # why the upload failed for good ("failed"), or why it was skipped
     dropped: list[int] = field(default_factory=list)  # versions retention deleted after this one landed
     _done: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    _waiting: int = field(default=0, repr=False, compare=False)  # replicas yet to answer
+    _notify_t0: float = field(default=0.0, repr=False, compare=False)
 
     @property
     def changed_fraction(self) -> float:
@@ -73,7 +78,7 @@ class PublishReport:
         return self
 
     def as_dict(self) -> dict:
-        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "_done"}
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if not f.name.startswith("_")}
         return d | {"changed_fraction": self.changed_fraction}
 
 
@@ -136,6 +141,9 @@ class DeltaPublisher:
         # One writer per store; taken last, so nothing above can fail while holding it.
         self._lock = WriterLock(self.store, "DeltaPublisher").acquire()
         self._closed = False
+        self._finish_lock = threading.Lock()
+        self._announcing = 0  # versions uploaded whose replicas have not all answered
+        self._notifiers: dict[str, _Notifier] = {}  # url -> its thread, started on first use
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._worker = threading.Thread(target=self._run, name="deltasync-upload", daemon=True)
         self._worker.start()
@@ -198,7 +206,7 @@ class DeltaPublisher:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued version is uploaded and announced."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
+        while self._queue.unfinished_tasks or self._announcing:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("uploads still pending")
             time.sleep(0.01)
@@ -215,6 +223,8 @@ class DeltaPublisher:
         self._closed = True
         self._queue.put(None)
         self._worker.join()
+        for n in list(self._notifiers.values()):  # after the last version was handed to them
+            n.close()
         self._lock.release()
         if self.errors:
             log.error("%s: %d version(s) failed to upload: %s", self.store.uri, len(self.errors), "; ".join(self.errors))
@@ -298,7 +308,9 @@ class DeltaPublisher:
                     self._lock.check()
                     self._upload(job)
                     self._broken = False
-                    self._notify(job.report)
+                    # replicas start on (or catch up to) v0; the replica that answers last finishes it
+                    if job.report.version > 0 and self._announce(job.report):
+                        job.report = None
             except Exception as e:  # keep the chain whole: skip to the next anchor
                 log.exception("upload of v%d failed for good; the next version anchors",
                               job.header.version)
@@ -308,14 +320,46 @@ class DeltaPublisher:
             finally:
                 if job.tmpdir is not None:
                     job.tmpdir.cleanup()
-                self.reports.append(job.report)
-                if self.on_report:
-                    try:
-                        self.on_report(job.report)
-                    except Exception:  # a caller's callback must not stop the uploads
-                        log.exception("on_report failed for v%d", job.header.version)
-                job.report._done.set()
+                if job.report is not None:
+                    self._finish(job.report)
                 self._queue.task_done()
+
+    def _announce(self, report: PublishReport) -> bool:
+        """Hand a landed version to every replica's notifier; False when there is none."""
+        urls = list(dict.fromkeys(self.replicas))  # ``replicas`` may change between versions
+        if not urls:
+            return False
+        for url in urls:
+            if url not in self._notifiers:
+                self._notifiers[url] = _Notifier(self, url)
+        with self._finish_lock:
+            self._announcing += 1
+            report._waiting = len(urls)
+        report._notify_t0 = time.perf_counter()
+        for url in urls:
+            self._notifiers[url].queue.put(report)
+        return True
+
+    def _answered(self, report: PublishReport, url: str, answer: dict) -> None:
+        with self._finish_lock:
+            report.replicas[url] = answer
+            report._waiting -= 1
+            last = report._waiting == 0
+        if last:
+            report.notify_s = time.perf_counter() - report._notify_t0
+            self._finish(report)
+            with self._finish_lock:
+                self._announcing -= 1
+
+    def _finish(self, report: PublishReport) -> None:
+        with self._finish_lock:
+            bisect.insort(self.reports, report, key=lambda r: r.version)
+        if self.on_report:
+            try:
+                self.on_report(report)
+            except Exception:  # a caller's callback must not stop the uploads
+                log.exception("on_report failed for v%d", report.version)
+        report._done.set()
 
     def _upload(self, job: _Job) -> None:
         t0 = time.perf_counter()
@@ -339,16 +383,6 @@ class DeltaPublisher:
                          job.report.dropped[0], job.report.dropped[-1])
         job.report.upload_s = time.perf_counter() - t0
 
-    def _notify(self, report: PublishReport) -> None:
-        if not self.replicas or report.version == 0:  # replicas start on (or catch up to) v0
-            return
-        t0 = time.perf_counter()
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        with httpx.Client(timeout=self.notify_timeout_s) as client:
-            for url in self.replicas:
-                report.replicas[url] = self._notify_one(client, url, report.version, headers)
-        report.notify_s = time.perf_counter() - t0
-
     def _notify_one(self, client: httpx.Client, url: str, version: int, headers: dict) -> dict:
         for attempt in range(self.retries + 1):
             try:
@@ -366,6 +400,33 @@ class DeltaPublisher:
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2**attempt)
         return {"error": f"unreachable: {err}"}
+
+
+class _Notifier:
+    """One replica's notifications: a thread that posts each landed version's ``/update`` in
+    version order, so that a replica that hangs only ever delays itself."""
+
+    def __init__(self, pub: DeltaPublisher, url: str):
+        self.pub, self.url = pub, url
+        self.queue: queue.Queue[PublishReport | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"deltasync-notify-{url}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        pub = self.pub
+        headers = {"Authorization": f"Bearer {pub.token}"} if pub.token else {}
+        with httpx.Client(timeout=pub.notify_timeout_s) as client:
+            while (report := self.queue.get()) is not None:
+                try:
+                    answer = pub._notify_one(client, self.url, report.version, headers)
+                except Exception as e:  # never leave a report waiting for this replica
+                    log.exception("notify %s of v%d failed", self.url, report.version)
+                    answer = {"error": f"{type(e).__name__}: {e}"}
+                pub._answered(report, self.url, answer)
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
