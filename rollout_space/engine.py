@@ -38,6 +38,7 @@ from . import metrics
 log = logging.getLogger("rollout_space.engine")
 EXTENSION = "rollout_space.worker.DeltaWorkerExtension"
 BASE_LABEL = "base"  # weight version label before the chain names a version
+DAMAGED_LABEL = "damaged"  # weights of no version (a failed dense load): no response names a version
 
 # Per request: the weight-version spans of each finished choice, filled by the wrapped generate.
 SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("deltasync_spans", default=None)
@@ -68,7 +69,11 @@ def label_of(version: int | None) -> str:
 
 
 def version_of(label: str) -> int | None:
-    return None if label in (BASE_LABEL, "default") else int(label)
+    """The version a weight label names; None for the base model and for weights of no version."""
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return None
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -333,6 +338,7 @@ class RolloutEngine:
             path, step.download_s = await self._download(ref)
         else:
             path, step = local
+        stage_id = None
         try:
             staged = await self.job("stage", json.dumps({"path": str(path), "predict": self.args.predict}))
             step.stage_s, step.changed = staged["stage_s"], staged["changed"]
@@ -348,9 +354,13 @@ class RolloutEngine:
                 await self._paused_revert(stage_id, mode)
                 raise DeltaError("digest_mismatch", f"v{step.version}: {len(audit['bad'])} tensors read "
                                  f"back wrong after the write (e.g. {audit['bad'][0]}); reverted")
-            await self.rpc("deltasync_release", stage_id)
         finally:
             path.unlink(missing_ok=True)
+            if stage_id is not None:  # success or not: the worker frees its old and new bits
+                try:
+                    await self.rpc("deltasync_release", stage_id)
+                except Exception:  # noqa: BLE001 - the update's own outcome is what matters
+                    log.exception("releasing stage %s failed", stage_id)
         metrics.observe_step(step)
         self._log_step(step)
         return step
@@ -361,9 +371,26 @@ class RolloutEngine:
                  s.download_s * 1e3, s.stage_s * 1e3, s.drain_s * 1e3, s.pause_s * 1e3, s.commit_s * 1e3,
                  s.audit_s * 1e3)
 
+    async def _damaged(self, why: str) -> None:
+        """The live weights are of no known version, or the engine's label or cache may not match
+        them: say so (generation is refused, responses name no version) before generation resumes.
+        A later update re-syncs from an anchor."""
+        log.error("replica damaged: %s; refusing generation until a re-sync", why)
+        self.state.status = "damaged"
+        self.state.version, self.state.commitment, self.state.state_digest = None, "", ""
+        try:
+            await self.engine.update_weight_version(DAMAGED_LABEL)
+        except Exception:  # noqa: BLE001 - the status alone already refuses generation
+            log.exception("labelling the damaged weights failed")
+
     async def _paused_write(self, version: int, commitment: str, state_digest: str, mode: PauseMode,
-                            method: str, arg: str, step: StepReport) -> dict:
-        """Pause, write, label, reset the prefix cache, resume. Returns the worker's answer."""
+                            method: str, arg: str, step: StepReport, *, dense: bool = False) -> dict:
+        """Pause, write, label, reset the prefix cache, resume. Returns the worker's answer.
+
+        Whatever fails, generation resumes on one version or openly damaged: the state follows
+        the worker as soon as it wrote; a failed dense write (``dense``, which leaves weights of
+        no version) or a failed label or cache reset after a write marks the replica damaged
+        before generation resumes."""
         engine = self.engine
         async with self.write_lock:
             a = time.perf_counter()
@@ -372,11 +399,21 @@ class RolloutEngine:
             b = time.perf_counter()
             self.weight_writes += 1
             try:
-                result = await self.rpc(method, arg)
-                await engine.update_weight_version(label_of(version))
-                await self._reset_prefix_cache(mode)
+                try:
+                    result = await self.rpc(method, arg)
+                except BaseException as e:
+                    if dense:
+                        await self._damaged(f"dense load of v{version} failed: {e}")
+                    raise
+                # the worker holds `version` now, whatever fails below
                 self.state.version, self.state.commitment = version, commitment
                 self.state.state_digest = state_digest
+                try:
+                    await engine.update_weight_version(label_of(version))
+                    await self._reset_prefix_cache(mode)
+                except BaseException as e:
+                    await self._damaged(f"v{version} written, but its label or cache reset failed: {e}")
+                    raise
             finally:
                 self.weight_writes += 1
                 if not self.user_paused:
@@ -408,12 +445,16 @@ class RolloutEngine:
                 await self._pause_scheduler(mode)
             self.weight_writes += 1
             try:
-                await self.rpc("deltasync_revert", stage_id)
-                held = await self.rpc("deltasync_held")
-                self.state.version, self.state.commitment = held["version"], held["commitment"]
-                self.state.state_digest = held["state_digest"]
-                await engine.update_weight_version(label_of(self.state.version))
-                await self._reset_prefix_cache(mode)
+                try:
+                    await self.rpc("deltasync_revert", stage_id)
+                    held = await self.rpc("deltasync_held")
+                    self.state.version, self.state.commitment = held["version"], held["commitment"]
+                    self.state.state_digest = held["state_digest"]
+                    await engine.update_weight_version(label_of(self.state.version))
+                    await self._reset_prefix_cache(mode)
+                except BaseException as e:
+                    await self._damaged(f"reverting stage {stage_id} failed: {e}")
+                    raise
             finally:
                 self.weight_writes += 1
                 if not self.user_paused:
@@ -429,7 +470,11 @@ class RolloutEngine:
                 await self.rpc("deltasync_adopt", json.dumps({"version": ref.version, "commitment": m.commitment,
                                                               "state_digest": m.state_digest}))
                 self.state.version, self.state.commitment = ref.version, m.commitment
-                await self.engine.update_weight_version(label_of(ref.version))
+                try:  # the same weights: only the label of new tokens is at stake
+                    await self.engine.update_weight_version(label_of(ref.version))
+                except BaseException as e:
+                    await self._damaged(f"labelling v{ref.version} failed: {e}")
+                    raise
                 metrics.VERSION.set(ref.version)
                 return step
             path = await asyncio.to_thread(resolve_model_dir, ref.external)
@@ -444,16 +489,10 @@ class RolloutEngine:
                 a = time.perf_counter()
                 await self.job("validate", str(path))
                 step.stage_s = time.perf_counter() - a
-            try:
-                r = await self._paused_write(ref.version, m.commitment, m.state_digest, mode,
-                                             "deltasync_load", json.dumps(arg), step)
-                step.commit_s = r["load_s"] + r["verify_s"]
-            except DeltaError:
-                # the engine now holds weights of no version: stop serving until a re-sync
-                self.state.status = "damaged"
-                self.state.version, self.state.commitment = None, ""
-                await self.engine.update_weight_version("damaged")
-                raise
+            # a failed load leaves weights of no version: damaged (before generation resumes)
+            r = await self._paused_write(ref.version, m.commitment, m.state_digest, mode,
+                                         "deltasync_load", json.dumps(arg), step, dense=True)
+            step.commit_s = r["load_s"] + r["verify_s"]
         finally:
             if ref.key is not None:
                 Path(path).unlink(missing_ok=True)

@@ -7,8 +7,8 @@ a late replica for comparison.
 
 from __future__ import annotations
 
+import json
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -89,28 +89,31 @@ def test_live_digest_equals_trainer_at_every_step(server: Server, trainer: FakeT
     trainer.publisher.compact = False
 
 
-def test_real_openai_client(server: Server):
+def test_real_openai_client(server: Server, trainer: FakeTrainer):
     from openai import OpenAI
 
+    v = _announced_step(server, trainer)
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     c = client.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=6, temperature=0,
                                   logprobs=2, extra_body={"return_token_ids": True})
-    assert c.model_extra["policy_version"] == 3
+    assert c.model_extra["policy_version"] == v
     assert len(c.choices[0].logprobs.token_logprobs) == 6
     assert len(c.choices[0].model_extra["token_ids"]) == 6
     chat = client.chat.completions.create(model=server.model, max_tokens=5, temperature=0, logprobs=True,
                                           messages=[{"role": "user", "content": "crane"}])
-    assert chat.model_extra["policy_version"] == 3
+    assert chat.model_extra["policy_version"] == v
     assert len(chat.choices[0].logprobs.content) == 5
     stream = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=4,
                                        temperature=0, stream=True)
     chunks = list(stream)
-    assert chunks[-1].model_extra["policy_version"] == 3
+    assert chunks[-1].model_extra["policy_version"] == v
 
 
 def test_concurrent_requests_during_updates_carry_one_version_each(server: Server, trainer: FakeTrainer):
+    start = _announced_step(server, trainer)
     stop = threading.Event()
     results: list[tuple[int, dict]] = []
+    lock = threading.Condition()
 
     def hammer(i: int) -> None:
         with httpx.Client(timeout=120) as c:
@@ -118,23 +121,33 @@ def test_concurrent_requests_during_updates_carry_one_version_each(server: Serve
                 r = c.post(server.url + "/v1/completions",
                            json={"model": server.model, "prompt": PROMPTS[i % len(PROMPTS)],
                                  "max_tokens": 16, "temperature": 1.0, "n": 1 + i % 2})
-                results.append((r.status_code, r.json()))
+                with lock:
+                    results.append((r.status_code, r.json()))
+                    lock.notify_all()
+
+    def answered(version: int, timeout: float = 120) -> None:
+        """Wait until at least one response generated on ``version`` came back."""
+        with lock:
+            assert lock.wait_for(lambda: any(b.get("policy_version") == version for _, b in results),
+                                 timeout), f"no response of v{version}"
 
     threads = [threading.Thread(target=hammer, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    for _ in range(2):
-        trainer.step()
-        trainer.publisher.flush()
-        time.sleep(0.5)
-    stop.set()
-    for t in threads:
-        t.join()
+    try:
+        answered(start)  # requests are running before the first update
+        for _ in range(2):
+            report = trainer.step()
+            trainer.publisher.flush()
+            answered(report.version)  # and after each one
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
     assert results and all(code == 200 for code, _ in results), [b for c, b in results if c != 200][:2]
     versions = [body["policy_version"] for _, body in results]
     assert all(isinstance(v, int) for v in versions), [b for _, b in results if "policy_version_spans" in b][:1]
-    assert set(versions) <= {3, 4, 5} and len(set(versions)) >= 2, versions
+    assert set(versions) == {start, start + 1, start + 2}, versions
     assert live_digest(server)["state_digest"] == trainer.publisher.state_digest
 
 
@@ -158,6 +171,15 @@ def test_greedy_matches_fresh_server_and_late_replica_catches_up(
         assert server.complete(PROMPTS[0])["choices"][0]["logprobs"]["token_logprobs"] != seen["base"]
     finally:
         fresh.stop(), late.stop()
+
+
+def _announced_step(server: Server, trainer: FakeTrainer) -> int:
+    """One trainer step that the replica was told about and serves: this test's own version."""
+    report = trainer.step()
+    trainer.publisher.flush()
+    answer = report.replicas[server.url]
+    assert answer.get("version") == report.version, answer
+    return report.version
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -250,15 +272,18 @@ def test_pause_resume_and_update_without_waiting(server: Server, trainer: FakeTr
     assert server.get("/is_paused").json() == {"is_paused": True}
     assert server.post("/resume", headers=auth).json() == {"status": "resumed"}
     assert server.get("/is_paused").json() == {"is_paused": False}
-    trainer.publisher.replicas.clear()  # no notification: the replica is told below
-    report = trainer.step()
-    trainer.publisher.flush()
+    saved, trainer.publisher.replicas[:] = list(trainer.publisher.replicas), []  # told below
+    try:
+        report = trainer.step()
+        trainer.publisher.flush()
+    finally:
+        trainer.publisher.replicas[:] = saved
     r = server.post("/update?wait=false", json={"version": report.version}, headers=auth)
     assert r.status_code == 202
-    deadline = time.monotonic() + 60
-    while server.get("/version").json()["version"] != report.version:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    # one update at a time: this waits for the one started above, then has nothing to do
+    r = server.update(report.version)
+    assert r.status_code == 200 and r.json()["version"] == report.version, r.text
+    assert server.get("/version").json()["version"] == report.version
     assert live_digest(server)["state_digest"] == report.state_digest == state_digest(
         {n: t.to(torch.bfloat16) for n, t in trainer.master.items()})
     assert server.get("/health").json() == {"status": "ok", "version": report.version}
@@ -267,21 +292,28 @@ def test_pause_resume_and_update_without_waiting(server: Server, trainer: FakeTr
 def test_in_flight_update_when_asked_spans_two_versions(server: Server, trainer: FakeTrainer):
     """mode=keep: a request in flight continues on the new weights and says so, token by token."""
     before = server.get("/version").json()["version"]
-    report = trainer.step()  # not announced: replicas were cleared above
-    trainer.publisher.flush()
-    out: dict = {}
-
-    def long_request() -> None:
-        out["body"] = server.complete("The quick brown", max_tokens=400, ignore_eos=True)
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    time.sleep(0.4)
-    r = server.post("/update", json={"version": report.version, "mode": "keep"},
-                    headers={"Authorization": f"Bearer {TOKEN}"})
-    t.join()
-    assert r.status_code == 200 and r.json()["version"] == report.version
-    body = out["body"]
+    saved, trainer.publisher.replicas[:] = list(trainer.publisher.replicas), []  # told below
+    try:
+        report = trainer.step()
+        trainer.publisher.flush()
+    finally:
+        trainer.publisher.replicas[:] = saved
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(timeout=120) as c, c.stream(
+            "POST", server.url + "/v1/completions",
+            json={"model": server.model, "prompt": "The quick brown", "max_tokens": 400, "ignore_eos": True,
+                  "temperature": 0, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))  # the request is running
+        # freeze it where it is (keep), so the update certainly lands in its middle
+        assert c.post(server.url + "/pause?mode=keep&clear_cache=false", headers=auth).status_code == 200
+        try:
+            r = c.post(server.url + "/update", json={"version": report.version, "mode": "keep"}, headers=auth)
+        finally:
+            assert c.post(server.url + "/resume", headers=auth).status_code == 200
+        chunks = [first] + [line for line in lines if line.startswith("data: {")]
+    assert r.status_code == 200 and r.json()["version"] == report.version, r.text
+    body = next(p for p in (json.loads(c[len("data: "):]) for c in reversed(chunks)) if "policy_version" in p)
     assert body["policy_version"] is None and body["policy_versions"] == [before, report.version]
     spans = body["policy_version_spans"][0]
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
