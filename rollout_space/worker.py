@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from shared.checkpoint import checkpoint_files
+from shared.checkpoint import checkpoint_files, tied_aliases
 from shared.codec import DeltaFile
 from shared.digest import tensor_digest
 from shared.errors import DeltaError
@@ -94,6 +94,8 @@ class DeltaWorkerExtension:
             model = self._ds_model()
             files = checkpoint_files(cfg["model_dir"])
             specs = checkpoint_specs(files)
+            for name in tied_aliases(cfg["model_dir"]):  # a tied lm_head.weight saved anyway: the
+                specs.pop(name, None)  # state is the model's, as the trainer's module_state gives it
             rank, world = self._ds_rank()
             import vllm
 

@@ -18,19 +18,21 @@ from __future__ import annotations
 import heapq
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import blake3
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from .codec import DeltaFile, Header
 from .errors import DeltaError
 from .stores import Store
 
 LATEST = "latest.json"
+OBJECT_FOLDERS = ("anchors", "deltas")
 
 
 def _v(version: int) -> str:
@@ -60,6 +62,21 @@ class ObjectRef(BaseModel):
     external: str | None = None  # model id or path of a checkpoint everyone can already load
     size: int = 0
     blake3: str | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _below_objects(cls, key: str | None) -> str | None:
+        """An object lies in ``anchors/`` or ``deltas/``, as a plain relative path: a manifest
+        that names anything else (``..``, an absolute path, a manifest, ``latest.json``) is refused
+        when read, so retention can never delete outside the chain's objects."""
+        if key is None:
+            return key
+        top, _, rest = key.partition("/")
+        parts = rest.split("/")
+        if (top not in OBJECT_FOLDERS or not rest or "\\" in key or "\0" in key or
+                any(part in ("", ".", "..") for part in parts)):
+            raise ValueError(f"object key {key!r} is not a path below {' or '.join(f'{d}/' for d in OBJECT_FOLDERS)}")
+        return key
 
 
 class Manifest(BaseModel):
@@ -292,10 +309,16 @@ class Chain:
 
 
 def reconstruct(chain: Chain, version: int | None = None, *, progress: bool = False,
+                base: str | Path | Mapping[str, torch.Tensor] | None = None,
                 ) -> tuple[dict[str, torch.Tensor], Header]:
     """Rebuild the exact state of ``version`` (default: latest) from the store, verified.
 
-    An external genesis anchor is loaded from its path (a Hub id must be downloaded first).
+    A chain whose genesis is an external checkpoint (``DeltaPublisher(external_base=...)``)
+    needs that checkpoint: ``base`` is a local copy of it (a checkpoint file or folder, e.g. a
+    downloaded Hub snapshot) or its state (name -> tensor). Without ``base`` the manifest's
+    ``external`` is loaded when it is a local path; a Hub id is refused (``missing``), naming it.
+    Either way the base must have the chain's state digest (``wrong_base`` otherwise). ``base`` is
+    not used when the store's own anchors reach ``version``.
     """
     from tqdm.auto import tqdm
 
@@ -314,9 +337,10 @@ def reconstruct(chain: Chain, version: int | None = None, *, progress: bool = Fa
         if ref.kind == "anchor":
             m = chain.manifest(ref.version)
             if ref.key is None:
-                state = load_state(ref.external)
+                state, where = _external_state(ref, base, load_state)
                 if state_digest(state) != m.state_digest:
-                    raise DeltaError("wrong_base", f"{ref.external} is not the chain's v{ref.version}")
+                    raise DeltaError("wrong_base", f"{where} is not the chain's v{ref.version} "
+                                     f"(the external checkpoint {ref.external!r})")
                 header = Header(kind="anchor", version=ref.version, commitment=m.commitment,
                                 base_commitment=m.base_commitment, state_digest=m.state_digest,
                                 tensors={})
@@ -329,3 +353,17 @@ def reconstruct(chain: Chain, version: int | None = None, *, progress: bool = Fa
             header = apply_delta(f, state, version=header.version, commitment=header.commitment)
     assert header is not None
     return state, header
+
+
+def _external_state(ref: ObjectRef, base, load_state) -> tuple[dict[str, torch.Tensor], str]:
+    """The state of an external genesis anchor: from ``base``, else from a local ``external``."""
+    if isinstance(base, Mapping):  # copied: deltas are applied to it in place
+        return {n: t.detach().clone() for n, t in base.items()}, "the given base state"
+    where = base if base is not None else ref.external
+    if where is None or not Path(where).exists():
+        what = f"the external checkpoint {ref.external!r}"
+        if base is not None:
+            raise DeltaError("missing", f"v{ref.version} is {what}; no checkpoint at the given base {str(base)!r}")
+        raise DeltaError("missing", f"v{ref.version} is {what}, not in the store and not a local path: "
+                                    "download it and pass reconstruct(..., base=<its local folder>)")
+    return load_state(where), str(where)

@@ -106,16 +106,26 @@ def test_missing_and_corrupt_objects(tmp_path):
 
 
 def test_reader_never_sees_a_partial_version(tmp_path):
-    """A writer process publishes while this process reads: every latest is complete."""
+    """A writer process publishes while this process reads: every latest is complete.
+
+    Writer and reader take turns by lines on a pipe, not by timing: after queueing version v the
+    writer waits for the reader, whose reads race the upload of v (and, after it lets the writer
+    go on, the encoding and upload of v+1). So every run reads twice per version, whatever the
+    machine's speed, and the versions it sees advance with the writer."""
+    import threading
+
     store_dir = tmp_path / "store"
+    n = 40
     writer = subprocess.Popen([sys.executable, str(ROOT / "tests/library/chain_writer.py"),
-                               str(store_dir), "40"], cwd=ROOT, env={**__import__("os").environ,
-                               "PYTHONPATH": str(ROOT)})
+                               str(store_dir), str(n), "--gated"], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    guard = threading.Timer(300, writer.kill)  # a hung writer ends the pipe, never the test run
+    guard.start()
     chain = Chain(open_store(store_dir))
-    seen, reads = set(), 0
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        done = writer.poll() is not None
+    seen: list[int] = []
+
+    def read() -> None:
         latest = chain.latest()
         if latest is not None:
             m = chain.manifest(latest.version)
@@ -123,13 +133,25 @@ def test_reader_never_sees_a_partial_version(tmp_path):
             for ref in m.objects:
                 f = chain.fetch(ref)  # size + blake3 + header checks
                 assert f.header.version == latest.version and f.header.commitment == m.commitment
-            seen.add(latest.version)
-            reads += 1
-        if done:
-            break
-    assert writer.wait(timeout=60) == 0
-    assert chain.latest().version == 40 and reads > 5 and len(seen) > 2
-    assert reconstruct(Chain(open_store(store_dir)), 40)[1].version == 40
+            seen.append(latest.version)
+
+    try:
+        for v in range(1, n + 1):
+            assert writer.stdout.readline() == f"published {v}\n"
+            read()  # races the upload of v
+            writer.stdin.write("go\n")
+            writer.stdin.flush()
+            read()  # races the encoding and upload of v+1
+        writer.stdin.close()
+        assert writer.wait(timeout=120) == 0
+    finally:
+        guard.cancel()
+        writer.kill()
+    assert seen == sorted(seen) and len(seen) >= n  # latest never moves back; v0 lands first
+    # the publisher queues at most a few versions ahead of its uploads, so reads follow the writer
+    assert len(set(seen)) > 2 and seen[-1] >= n - 4
+    assert chain.latest().version == n
+    assert reconstruct(Chain(open_store(store_dir)), n)[1].version == n
 
 
 class FlakyStore(Store):
