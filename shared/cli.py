@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -89,11 +88,6 @@ app = _App(add_completion=False, no_args_is_help=True, help=HELP, rich_markup_mo
 def _error(message: str) -> None:
     typer.secho("error", fg="red", bold=True, err=True, nl=False)
     typer.echo(f": {message}", err=True)
-
-
-def _fail(e: Exception) -> None:
-    _error(_describe(e))
-    raise typer.Exit(1)
 
 
 def _note(message: str) -> None:
@@ -389,11 +383,10 @@ def push(store: str = STORE,
                 pub.publish()
     r = pub.reports[-1]
     if pub.errors or r.kind in ("failed", "skipped"):
-        why = getattr(r, "error", None) or (pub.errors[-1] if pub.errors else r.kind)
+        why = r.error or (pub.errors[-1] if pub.errors else r.kind)
         raise Refused(f"upload of v{r.version} to {store} failed: {why}")
     if as_json:
-        report = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if not f.name.startswith("_")}
-        _emit(report | {"store": store, "cast_to_bfloat16": sorted(cast)})
+        _emit(r.as_dict() | {"store": store, "cast_to_bfloat16": sorted(cast)})
     elif r.version == 0:
         typer.echo(f"v0 (anchor): {r.numel:,} elements, {r.payload_bytes:,} bytes, state digest {r.state_digest}")
     else:
@@ -456,20 +449,21 @@ def squash(store: str = STORE,
     from .lock import WriterLock
     from .squash import squash_onto
 
-    if end is not None and start >= end:
-        raise _bad("--from", f"{start} must be below --to {end}")
-    if end is not None and start == end - 1:
-        raise _bad("--from", f"v{start} -> v{end} is one step, already stored as a delta: a squash spans "
-                             "two or more")
-    with _reaching(store):
-        chain = Chain(open_store(store, create=False))
-        latest = _latest(chain, store)
-        end = end if end is not None else latest.version
+    def check_span(end: int, what: str) -> None:
         if start >= end:
-            raise _bad("--from", f"{start} must be below the latest version, v{end}")
+            raise _bad("--from", f"{start} must be below {what}{end}")
         if start == end - 1:
             raise _bad("--from", f"v{start} -> v{end} is one step, already stored as a delta: a squash spans "
                                  "two or more")
+
+    if end is not None:
+        check_span(end, "--to ")  # before reaching the store
+    with _reaching(store):
+        chain = Chain(open_store(store, create=False))
+        latest = _latest(chain, store)
+        if end is None:
+            end = latest.version
+            check_span(end, "the latest version, v")
         versions = chain.versions()
         for v in (start, end):
             if v not in versions:
@@ -572,11 +566,8 @@ def spaces_render(out_dir: Path = typer.Argument(..., help="folder to write trai
     """
     from .spaces import render
 
-    try:
-        for name, path in render(out_dir, cpu=cpu).items():
-            typer.echo(f"{name}: {path}")
-    except (OSError, ValueError) as e:
-        _fail(e)
+    for name, path in render(out_dir, cpu=cpu).items():
+        typer.echo(f"{name}: {path}")
 
 
 @spaces_app.command("deploy")
@@ -606,23 +597,20 @@ def spaces_deploy(
 
     token = hf_token or get_token()
     if not token and not dry_run:
-        _fail(ValueError("no Hugging Face token: run `hf auth login` or pass --hf-token"))
+        raise Refused("no Hugging Face token: run `hf auth login` or pass --hf-token")
     hardware = {"trainer": trainer_hardware.value, "rollout": rollout_hardware.value, "env": env_hardware.value}
     with tempfile.TemporaryDirectory(prefix="deltasync-spaces-") as tmp:
         d = Deployment(namespace=namespace, rendered=Path(tmp), bucket=bucket, prefix=prefix, model=model,
                        hardware=hardware, duplicate_from=duplicate_from, hf_token=token or "")
         calls = deploy_plan(d)
-        try:
-            if not duplicate_from:
-                for name, spec in SPACES.items():
-                    render_space(spec, d.rendered / name, cpu=is_cpu(hardware[name]))
-            if dry_run:
-                for call in calls:
-                    typer.echo(f"HfApi.{call}")
-            else:
-                run_plan(calls, HfApi(token=token), on_call=lambda c: typer.echo(f"-> {c}", err=True))
-        except Exception as e:  # noqa: BLE001 - a file or Hub error, shown without a traceback
-            _fail(e)
+        if not duplicate_from:
+            for name, spec in SPACES.items():
+                render_space(spec, d.rendered / name, cpu=is_cpu(hardware[name]))
+        if dry_run:
+            for call in calls:
+                typer.echo(f"HfApi.{call}")
+        else:  # a Hub error ends as one line, like every failure (see _App)
+            run_plan(calls, HfApi(token=token), on_call=lambda c: typer.echo(f"-> {c}", err=True))
     for name in SPACES:
         typer.echo(f"{name}: https://huggingface.co/spaces/{d.repo_id(name)}  app: {d.url(name)}")
     if dry_run:

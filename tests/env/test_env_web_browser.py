@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from wordle_helpers import answer_for, wrong_guesses
 
 from env_space.wordle import marks_to_str, score_guess
