@@ -182,6 +182,17 @@ def _announced_step(server: Server, trainer: FakeTrainer) -> int:
     return report.version
 
 
+def _unannounced_steps(trainer: FakeTrainer, n: int = 1) -> list:
+    """Trainer steps published with no replica told (as if every notification were lost)."""
+    saved, trainer.publisher.replicas[:] = list(trainer.publisher.replicas), []
+    try:
+        reports = [trainer.step() for _ in range(n)]
+        trainer.publisher.flush()
+    finally:
+        trainer.publisher.replicas[:] = saved
+    return reports
+
+
 # ----------------------------------------------------------------------------- refusals
 
 
@@ -272,12 +283,7 @@ def test_pause_resume_and_update_without_waiting(server: Server, trainer: FakeTr
     assert server.get("/is_paused").json() == {"is_paused": True}
     assert server.post("/resume", headers=auth).json() == {"status": "resumed"}
     assert server.get("/is_paused").json() == {"is_paused": False}
-    saved, trainer.publisher.replicas[:] = list(trainer.publisher.replicas), []  # told below
-    try:
-        report = trainer.step()
-        trainer.publisher.flush()
-    finally:
-        trainer.publisher.replicas[:] = saved
+    (report,) = _unannounced_steps(trainer)  # told below
     r = server.post("/update?wait=false", json={"version": report.version}, headers=auth)
     assert r.status_code == 202
     # one update at a time: this waits for the one started above, then has nothing to do
@@ -292,12 +298,7 @@ def test_pause_resume_and_update_without_waiting(server: Server, trainer: FakeTr
 def test_in_flight_update_when_asked_spans_two_versions(server: Server, trainer: FakeTrainer):
     """mode=keep: a request in flight continues on the new weights and says so, token by token."""
     before = server.get("/version").json()["version"]
-    saved, trainer.publisher.replicas[:] = list(trainer.publisher.replicas), []  # told below
-    try:
-        report = trainer.step()
-        trainer.publisher.flush()
-    finally:
-        trainer.publisher.replicas[:] = saved
+    (report,) = _unannounced_steps(trainer)  # told below
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(timeout=120) as c, c.stream(
             "POST", server.url + "/v1/completions",
@@ -323,12 +324,7 @@ def test_in_flight_update_when_asked_spans_two_versions(server: Server, trainer:
 def test_catch_up_over_several_versions_pauses_once(server: Server, trainer: FakeTrainer):
     """Deltas the replica missed are squashed and applied in one pause."""
     held = server.get("/version").json()["version"]
-    saved, trainer.publisher.replicas[:] = list(trainer.publisher.replicas), []  # notifications lost
-    try:
-        reports = [trainer.step() for _ in range(3)]
-        trainer.publisher.flush()
-    finally:
-        trainer.publisher.replicas[:] = saved
+    reports = _unannounced_steps(trainer, 3)
     r = server.update()
     assert r.status_code == 200, r.text
     body = r.json()
