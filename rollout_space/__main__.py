@@ -15,7 +15,7 @@ import os
 import sys
 
 from shared.access import open_without_token
-from shared.spaces import Deployment
+from shared.spaces import space_setting
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 USAGE = ("python -m rollout_space --model MODEL --store STORE [--host HOST] [--port PORT] [--token TOKEN]\n"
@@ -27,14 +27,6 @@ ENGINE_HELP = """vLLM options:
   ...), --help=WORD the options whose name contains WORD.
 """
 _SERVER_FLAGS = ("--model", "--host", "--port", "--api-key")
-
-
-def default_store() -> str | None:
-    """DELTASYNC_STORE, else (inside a Space) the bucket derived from SPACE_ID, else None."""
-    if store := os.environ.get("DELTASYNC_STORE"):
-        return store
-    home = Deployment.of_space(os.environ.get("SPACE_ID"))  # a duplicated Space finds its bucket
-    return home.store if home else None
 
 
 def _parser():
@@ -71,7 +63,7 @@ def _parser():
 def parse_args(argv: list[str] | None = None):
     parser = _parser()
     g = parser.add_argument_group("DeltaSync")
-    store = default_store()
+    store = space_setting("rollout", "DELTASYNC_STORE")
     options = [
         (("--store",), dict(default=store, help=(
             "version chain to follow: a folder, hf://buckets/NAMESPACE/NAME[/PREFIX] (token: HF_TOKEN) or "

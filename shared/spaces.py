@@ -8,6 +8,7 @@ dry run prints the very calls a real run makes; ``run_plan`` is the only code th
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import shutil
@@ -211,6 +212,15 @@ class Deployment:
                             "DELTASYNC_REPLICAS": self.url("rollout"), "DELTASYNC_ENV_URL": self.url("env")},
                 "rollout": {"MODEL": self.model, "DELTASYNC_STORE": self.store},
                 "env": {}}[space]
+
+
+def space_setting(space: str, key: str) -> str | None:
+    """The variable ``key`` of a ``space``; unset inside a Space (``SPACE_ID``), the value a
+    deployment with the default names would give it, so a duplicated Space needs no variables."""
+    if value := os.environ.get(key):
+        return value
+    home = Deployment.of_space(os.environ.get("SPACE_ID"))
+    return home._variables(space).get(key) if home else None
 
 
 def deploy_plan(d: Deployment) -> list[HubCall]:

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shared.access import open_without_token
-from shared.spaces import Deployment
+from shared.spaces import space_setting
 
 from .monitor import Monitor
 from .train import RunSettings, run
@@ -81,12 +81,14 @@ def serve(settings: RunSettings, host: str, port: int, *, token: str | None, mon
 def space_defaults() -> RunSettings:
     """Run defaults from the Space's variables; inside a Space, unset ones come from its own id."""
     env = os.environ
-    home = Deployment.of_space(env.get("SPACE_ID"))
-    replicas = env.get("DELTASYNC_REPLICAS") or (home.url("rollout") if home else "")
+
+    def setting(key: str) -> str:
+        return space_setting("trainer", key) or ""
+
     return RunSettings(model=env.get("DELTASYNC_MODEL", "Qwen/Qwen3-0.6B"),
-                       store=env.get("DELTASYNC_STORE") or (home.store if home else ""),
-                       replicas=[u for u in replicas.split(",") if u],
-                       env_url=env.get("DELTASYNC_ENV_URL") or (home.url("env") if home else ""),
+                       store=setting("DELTASYNC_STORE"),
+                       replicas=[u for u in setting("DELTASYNC_REPLICAS").split(",") if u],
+                       env_url=setting("DELTASYNC_ENV_URL"),
                        token=env.get("DELTASYNC_TOKEN"), api_key=env.get("DELTASYNC_API_KEY"),
                        output_dir=env.get("DELTASYNC_OUTPUT_DIR", "runs/trainer"))
 
