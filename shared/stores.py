@@ -59,6 +59,10 @@ class Store:
             else:
                 self.fs.put_file(str(data), path)
             return
+        os.replace(self._local_tmp(path, data), path)  # atomic: a reader sees the old object or the whole new one
+
+    def _local_tmp(self, path: str, data: bytes | str | Path) -> str:
+        """A complete, synced copy of ``data`` beside ``path``, under a temporary name."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         if isinstance(data, bytes):
@@ -68,7 +72,7 @@ class Store:
                 os.fsync(f.fileno())
         else:
             self.fs.copy(str(data), tmp)
-        os.replace(tmp, path)  # atomic: a reader sees the old object or the whole new one
+        return tmp
 
     def create(self, key: str, data: bytes) -> bool:
         """Write ``key`` only if it does not exist yet; False when it does.
@@ -79,12 +83,7 @@ class Store:
         """
         path = self.path(key)
         if self.local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            tmp = self._local_tmp(path, data)
             try:
                 os.link(tmp, path)
                 return True
