@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 SETUP := .venv/.deltasync-setup
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test reliability bench clean
 
 setup: $(SETUP)
 
@@ -13,6 +13,9 @@ demo: $(SETUP)  ## the main job on embedded defaults: local-folder bucket, tiny 
 
 test: $(SETUP)
 	$(PY) -m pytest -q
+
+reliability: $(SETUP)  ## faults, load, soak and bad input; prints one table, writes runs/reliability.json
+	DELTASYNC_RELIABILITY_JSON=runs/reliability.json $(PY) -m pytest -q -m '' -p no:randomly tests/reliability
 
 bench: $(SETUP)  ## codec (bytes, encode, apply vs baselines), then the replica's pause inside vLLM
 	$(PY) -m bench.codec

@@ -126,7 +126,9 @@ class RolloutEngine:
         if getattr(self.args, "tensor_parallel_size", 1) > 1 or getattr(self.args, "pipeline_parallel_size", 1) > 1:
             # Maps are per rank, but live digests and staged verification read whole tensors.
             raise SystemExit("rollout_space supports tensor/pipeline parallel size 1 for now")
-        self.args.worker_extension_cls = EXTENSION
+        # A subclass of ours (e.g. one that adds RPCs, or a test's fault points) may be named with vLLM's
+        # own --worker-extension-cls; anything else would lose the deltasync_* methods.
+        self.args.worker_extension_cls = self.args.worker_extension_cls or EXTENSION
         engine_args = AsyncEngineArgs.from_cli_args(self.args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         self.engine = AsyncLLM.from_vllm_config(
