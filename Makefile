@@ -15,7 +15,7 @@ test: $(SETUP)
 	$(PY) -m pytest -q
 
 reliability: $(SETUP)  ## faults, load, soak and bad input; prints one table, writes runs/reliability.json
-	DELTASYNC_RELIABILITY_JSON=runs/reliability.json $(PY) -m pytest -q -m '' -p no:randomly tests/reliability
+	DELTASYNC_RELIABILITY_JSON=runs/reliability.json $(PY) -m pytest -q -m '' tests/reliability
 
 bench: $(SETUP)  ## codec (bytes, encode, apply vs baselines), then the replica's pause inside vLLM
 	$(PY) -m bench.codec
