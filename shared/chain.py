@@ -273,6 +273,21 @@ class Chain:
         self.store.put(LATEST, Latest(version=m.version, commitment=m.commitment).model_dump_json().encode())
         return m
 
+    def discard_unfinished(self) -> list[int]:
+        """Delete the manifests past ``latest``: a publish whose writer died between the manifest
+        and ``latest.json``, so that the next writer can publish that version with its own
+        contents instead of being refused (``conflict``). Only the store's writer, holding
+        ``writer.lock``, may call this. The objects those manifests named stay until
+        ``deltasync fsck --repair`` (or the next publish of their keys) replaces them."""
+        latest = self.latest()
+        if latest is None:
+            return []
+        unfinished = [v for v in self.versions() if v > latest.version]
+        for v in unfinished:
+            self.store.delete(manifest_key(v))
+            self._manifests.pop(v, None)
+        return unfinished
+
     def add_object(self, version: int, key: str, data: bytes | Path, ref: ObjectRef) -> Manifest:
         """Attach another object (a squashed delta, a later anchor) to an existing version."""
         self.store.put(key, data)

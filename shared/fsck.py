@@ -129,7 +129,8 @@ def check(store: Store) -> FsckReport:
 
     named = {o.key for m in manifests.values() for o in m.objects if o.key}
     orphans = [k for folder in OBJECT_FOLDERS for k in store.list(folder, include_tmp=True) if k not in named]
-    orphans += [k for k in store.list("manifests", include_tmp=True) if ".tmp-" in k]
+    # a writer that died inside a put leaves its temporary copy: beside a manifest, latest.json or writer.lock
+    orphans += [k for folder in ("manifests", "") for k in store.list(folder, include_tmp=True) if ".tmp-" in k]
     return FsckReport(store=store.uri, latest=latest.version if latest else None, versions=sorted(manifests),
                       restorable=sorted(restorable), unreadable=unreadable, problems=problems, orphans=orphans,
                       writer=read_holder(store), bad_refs=bad_refs)

@@ -263,6 +263,9 @@ class DeltaPublisher:
                 raise ValueError(f"{self.store.uri} already holds a chain at v{latest.version} whose "
                                  "state differs from this model; use an empty store or prefix")
             log.info("continuing the chain in %s at v%d", self.store.uri, latest.version)
+            if unfinished := self.chain.discard_unfinished():  # we hold the lock: its writer is gone
+                log.warning("%s: discarded v%s, published past latest (v%d) by a writer that never "
+                            "finished", self.store.uri, ", v".join(map(str, unfinished)), latest.version)
             self._since_anchor_bytes, self._since_anchor = self._catchup_since_anchor(latest.version)
             return latest.version, latest.commitment
         report = PublishReport(version=0, kind="anchor", changed=header.numel, numel=header.numel,

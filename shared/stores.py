@@ -115,14 +115,14 @@ class Store:
         return self.fs.exists(self.path(key))
 
     def list(self, prefix: str, *, include_tmp: bool = False) -> list[str]:
-        """Keys directly below ``prefix`` (a folder), sorted; temporary uploads only if asked."""
+        """Keys directly below ``prefix`` (a folder; ``""`` is the root), sorted; temporary uploads only if asked."""
         self._fresh(prefix)
         try:
             names = self.fs.ls(self.path(prefix), detail=False)
         except FileNotFoundError:
             return []
         keys = [n.rstrip("/").rsplit("/", 1)[-1] for n in names]
-        return sorted(f"{prefix}/{k}" for k in keys if include_tmp or ".tmp-" not in k)
+        return sorted(f"{prefix}/{k}" if prefix else k for k in keys if include_tmp or ".tmp-" not in k)
 
     def delete(self, key: str) -> None:
         try:
