@@ -1,8 +1,11 @@
 """Bit-exact change detection between two snapshots of a tensor.
 
-One fused pass over 64-bit words (numba, GIL released so tensors run on all cores): compare,
-record the position and XOR of each changed element, and optionally refresh the old snapshot
-in place. Writing only the changed words keeps the snapshot update nearly free at ~1% change.
+Two backends with identical results. On the host, one fused pass over 64-bit words (numba, GIL
+released so tensors run on all cores): compare, record the position and XOR of each changed
+element, and optionally refresh the old snapshot in place. Writing only the changed words keeps
+the snapshot update nearly free at ~1% change. Where the weights live on an accelerator, torch
+ops on that device do the same (compare 16/32-bit views, ``nonzero``, ``index_copy_``) and only
+the positions and XORs cross to the host: a few bytes per changed element instead of the model.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 
 # Integer views for the float dtypes whose bits we diff; other dtypes are sent whole.
 INT_VIEW: dict[torch.dtype, torch.dtype] = {
@@ -111,26 +113,38 @@ def map_balanced(fn, items: list, weights: list[int], progress=None) -> list:
     return out
 
 
+def _chunks(numel: int, max_fraction: float) -> list[tuple[int, int, int]]:
+    """(start, stop, cap): the dense-change rule works per chunk, the same for both backends."""
+    return [(s, min(s + CHUNK_ELEMENTS, numel), int((min(s + CHUNK_ELEMENTS, numel) - s) * max_fraction) + 1)
+            for s in range(0, numel, CHUNK_ELEMENTS)]
+
+
 def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
-                 max_fraction: float = 1 / 16, threads: bool = True) -> Changes | None:
+                 max_fraction: float = 1 / 16, threads: bool = True, backend: str = "auto") -> Changes | None:
     """Positions and XOR of the elements whose bits differ.
 
-    Returns None when more than ``max_fraction`` of elements changed: the caller then sends
-    the tensor densely, which is smaller anyway. With ``update=True`` the old snapshot is
+    Returns None when more than ``max_fraction`` of some chunk's elements changed: the caller then
+    sends the tensor densely, which is smaller anyway. With ``update=True`` the old snapshot is
     refreshed in place (only when the result is not None, so a None never half-updates).
     ``threads=False`` scans in the calling thread (for callers that parallelise across tensors).
+    ``backend``: ``"numba"`` (host tensors), ``"torch"`` (torch ops on the tensors' device, CPU
+    included) or ``"auto"`` (torch where the tensors live off the CPU, else numba). The result
+    is on the host either way.
     """
-    if old.shape != new.shape or old.dtype != new.dtype:
-        raise ValueError(f"shape/dtype mismatch: {old.shape}/{old.dtype} vs {new.shape}/{new.dtype}")
+    if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device:
+        raise ValueError(f"shape/dtype/device mismatch: {old.shape}/{old.dtype}/{old.device} vs "
+                         f"{new.shape}/{new.dtype}/{new.device}")
     if not (old.is_contiguous() and new.is_contiguous()):
         raise ValueError("find_changes needs contiguous tensors")
+    if backend not in ("auto", "numba", "torch"):
+        raise ValueError(f"unknown backend {backend!r}: auto, numba or torch")
+    if backend == "torch" or (backend == "auto" and old.device.type != "cpu"):
+        return _find_changes_torch(old, new, update, max_fraction)
     o, n = unsigned_view(old), unsigned_view(new)
-    numel = o.shape[0]
-    chunks = [(s, min(s + CHUNK_ELEMENTS, numel)) for s in range(0, numel, CHUNK_ELEMENTS)]
-    cap_of = lambda s, e: int((e - s) * max_fraction) + 1  # noqa: E731
-    scan = lambda c: _scan_chunk(o, n, c[0], c[1], cap_of(*c))  # noqa: E731
+    chunks = _chunks(o.shape[0], max_fraction)
+    scan = lambda c: _scan_chunk(o, n, *c)
     results = list(_pool("chunks").map(scan, chunks) if threads and len(chunks) > 1 else map(scan, chunks))
-    if any(k > cap_of(*c) for (k, _, _), c in zip(results, chunks)):
+    if any(k > cap for (k, _, _), (_, _, cap) in zip(results, chunks)):
         return None
     if update:
         for k, pos, _ in results:
@@ -138,3 +152,35 @@ def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
     positions = np.concatenate([pos[:k] for k, pos, _ in results]) if results else np.empty(0, np.int64)
     xor = np.concatenate([x[:k] for k, _, x in results]) if results else np.empty(0, o.dtype)
     return Changes(positions, xor)
+
+
+TORCH_SLICE = CHUNK_ELEMENTS * 16  # elements compared at once on a device: bounds the bool mask
+
+
+def _find_changes_torch(old: torch.Tensor, new: torch.Tensor, update: bool,
+                        max_fraction: float) -> Changes | None:
+    """The numba scan's result with torch ops on the tensors' own device.
+
+    Compares integer views slice by slice (the bool mask and ``nonzero`` stay bounded), decides
+    dense vs sparse by the same per-chunk rule, then gathers the XORs and (``update``) writes the
+    new bits at the changed positions only. Positions cross as int32 when they fit: with the XORs
+    that is 6 bytes per changed bf16 element.
+    """
+    iv = INT_VIEW[old.dtype]
+    o, n = old.view(-1).view(iv), new.view(-1).view(iv)
+    numel = o.shape[0]
+    found = [torch.nonzero(o[s:s + TORCH_SLICE] != n[s:s + TORCH_SLICE]).squeeze(1) + s
+             for s in range(0, numel, TORCH_SLICE)]
+    pos = torch.cat(found) if len(found) > 1 else found[0] if found else o.new_empty(0, dtype=torch.int64)
+    chunks = _chunks(numel, max_fraction)
+    if chunks and pos.shape[0] > min(cap for _, _, cap in chunks):  # some chunk may be dense: count
+        counts = torch.bincount(pos // CHUNK_ELEMENTS, minlength=len(chunks)).tolist()
+        if any(k > cap for k, (_, _, cap) in zip(counts, chunks)):
+            return None
+    new_at = n.index_select(0, pos)
+    xor = o.index_select(0, pos) ^ new_at
+    if update:
+        o.index_copy_(0, pos, new_at)
+    narrow = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+    positions = pos.to(narrow).cpu().numpy().astype(np.int64)
+    return Changes(positions, xor.cpu().numpy().view(UNSIGNED_NP[iv]))

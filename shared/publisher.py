@@ -27,9 +27,25 @@ import httpx
 import torch
 
 from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_for
+from .changes import INT_VIEW, Changes, find_changes, map_balanced, unsigned_view
 from .checkpoint import module_state
-from .codec import Header, anchor_header, build_delta, encode_state, save_anchor, save_delta
-from .digest import tensor_digest
+from .codec import (
+    POS,
+    EncodedTensor,
+    Header,
+    TensorEntry,
+    anchor_header,
+    build_delta,
+    choose_mode,
+    encode_positions_classed,
+    encode_state,
+    encode_tensor,
+    save_anchor,
+    save_delta,
+    sparse_entry,
+    value_bits,
+)
+from .digest import dtype_name, tensor_digest
 from .errors import DeltaError
 from .lock import WriterLock
 from .stores import Store, open_store
@@ -111,6 +127,13 @@ class DeltaPublisher:
     anchor (default 2) are deleted from the store, and the report lists them in ``dropped``;
     pass a large ``keep_anchors`` to keep the whole history.
 
+    Change detection runs where the weights live: for tensors on an accelerator the publisher
+    keeps a second bf16 snapshot on that device, compares there with torch, and only positions
+    and XORs cross to the host (whose snapshot still serves anchors and digests), never the whole
+    model per version. ``detect``: ``"auto"`` (that, and numba for host tensors), ``"torch"``
+    (the device path even for host tensors, which the tests use) or ``"numba"`` (copy every
+    tensor to the host and compare there, as before).
+
     The publisher is the store's only writer while it lives (``writer.lock``, see
     :mod:`shared.lock`); ``close()`` uploads what is queued and releases it, and runs at exit
     if the script never called it.
@@ -122,16 +145,19 @@ class DeltaPublisher:
                  dtype: torch.dtype | None = torch.bfloat16, external_base: str | None = None,
                  queue_size: int = 2, retries: int = 4, backoff_s: float = 0.5,
                  notify_timeout_s: float = 120.0, compact: bool = False,
-                 on_report: Callable[[PublishReport], None] | None = None):
+                 on_report: Callable[[PublishReport], None] | None = None, detect: str = "auto"):
+        if detect not in ("auto", "torch", "numba"):
+            raise ValueError(f"detect={detect!r}: auto, torch or numba")
         self.model, self.dtype = model, dtype
         self.store = open_store(store) if isinstance(store, str) else store
         self.chain = Chain(self.store)
         self.replicas, self.token = list(replicas), token
         self.policy, self.keep_anchors = policy or AnchorPolicy(), keep_anchors
         self.retries, self.backoff_s, self.notify_timeout_s = retries, backoff_s, notify_timeout_s
-        self.on_report, self.compact = on_report, compact
+        self.on_report, self.compact, self.detect = on_report, compact, detect
         self.reports: list[PublishReport] = []
         self._snapshot = {n: self._cast(t).clone() for n, t in self._live().items()}
+        self._device_snapshot: dict[str, torch.Tensor] = {}  # name -> bf16 copy where the weights live
         self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
         self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
         self._since_anchor_bytes, self._since_anchor = 0, 0
@@ -173,8 +199,13 @@ class DeltaPublisher:
             raise ValueError(f"publish() needs the same tensors every version: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(extra)[:5]}")
         with torch.no_grad():
-            encoded = encode_state(self._snapshot, lambda n: self._cast(live[n]), update=True,
-                                   compact=self.compact)
+            if self.detect == "numba" or (self.detect == "auto" and all(t.device.type == "cpu" for t in live.values())):
+                encoded = encode_state(self._snapshot, lambda n: self._cast(live[n]), update=True,
+                                       compact=self.compact)
+            else:
+                names = sorted(self._snapshot)
+                sizes = [self._snapshot[n].numel() * self._snapshot[n].element_size() for n in names]
+                encoded = dict(zip(names, map_balanced(lambda n: self._encode_where(n, live[n]), names, sizes)))
         self._digests.update({n: e.entry.digest for n, e in encoded.items()})
         header, tensors = build_delta(encoded, version=version, base_version=self.version,
                                       base_commitment=self.commitment,
@@ -239,11 +270,53 @@ class DeltaPublisher:
     def _live(self) -> dict[str, torch.Tensor]:
         return module_state(self.model) if isinstance(self.model, torch.nn.Module) else dict(self.model)
 
-    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+    def _cast(self, t: torch.Tensor, host: bool = True) -> torch.Tensor:
         t = t.detach()
         if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
             t = t.to(self.dtype)
-        return t.cpu().contiguous()
+        return (t.cpu() if host else t).contiguous()
+
+    def _encode_where(self, name: str, live: torch.Tensor) -> EncodedTensor:
+        """One tensor's change, found on the device that holds it (the host snapshot follows)."""
+        host = self._snapshot[name]
+        if self.detect == "auto" and live.device.type == "cpu":
+            return encode_tensor(name, host, self._cast(live), update=True, threads=False, compact=self.compact)
+        new = self._cast(live, host=False)
+        snap = self._device_snapshot.get(name)
+        if snap is None or snap.device != new.device:  # first version here: the base crosses once
+            snap = self._device_snapshot[name] = host.to(new.device, copy=True)
+        if new.shape == snap.shape and new.dtype == snap.dtype:
+            if new.dtype in INT_VIEW:
+                changes = find_changes(snap, new, update=True, backend="torch")
+                if changes is not None:
+                    return self._encode_found(name, host, changes)
+            elif torch.equal(snap, new):
+                return encode_tensor(name, host, host, digest=self._digests[name])
+        # a dense change, a dtype without a bit view, or a shape error: the whole tensor crosses
+        enc = encode_tensor(name, host, new.cpu(), update=True, threads=False, compact=self.compact)
+        snap.copy_(new)
+        return enc
+
+    def _encode_found(self, name: str, host: torch.Tensor, changes: Changes) -> EncodedTensor:
+        """``encode_tensor``'s sparse case from changes found elsewhere: the host snapshot holds
+        the old bits, so the new ones come from the XORs and never cross the bus themselves."""
+        hv = unsigned_view(host)
+        pos, xor = changes.positions, changes.xor
+        if changes.count == 0:
+            return EncodedTensor(TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape),
+                                             digest=self._digests[name]), {})
+        new_at = hv[pos] ^ xor
+        classed = encode_positions_classed(pos, hv, host.dtype) if self.compact else None  # on the base
+        hv[pos] = new_at
+        entry = TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape), digest=tensor_digest(host))
+        mode = choose_mode(xor, lambda k: new_at[:k])
+        enc = sparse_entry(entry, name, pos, mode, xor if mode == "xor" else value_bits(mode, xor, new_at),
+                           changes.count)
+        if classed is not None and len(classed) < enc.blobs[name + POS].numel():
+            enc.blobs[name + POS] = torch.frombuffer(bytearray(classed), dtype=torch.uint8)
+            enc.entry.positions, enc.entry.gap_bytes = "classed", 0
+            enc.entry.coders = {**enc.entry.coders, POS: "rice"}
+        return enc
 
     def _write_anchor(self, version: int, base_version: int | None, base_commitment: str):
         tmp = tempfile.TemporaryDirectory(prefix="deltasync-anchor-")
