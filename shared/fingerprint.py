@@ -1,0 +1,362 @@
+"""Linear tensor fingerprints (DESIGN.md, "Tensor fingerprint"): a second per-tensor hash that
+can be updated in O(changed elements), summed over shards and computed on any device.
+
+Definition, for a tensor of w-bit elements with flat C-order index i and bit pattern b_i::
+
+    x_i    = (i * 2**w + b_i) mod 2**64
+    mix(z) = splitmix64's finalizer (logical shifts, all mod 2**64)
+    lane_k = sum over i of mix(x_i ^ K[k]) mod 2**64, k = 0..3
+    hex    = the four lanes as 16 lowercase hex digits each, lane 0 first (64 characters)
+
+Supported: every safetensors dtype the project stores (``shared.digest.SAFETENSORS_DTYPES``).
+w = 8 (U8, I8, BOOL), 16 (BF16, F16, I16) and 32 (F32, I32) are exactly the definition above.
+For w = 64 (F64, I64) the definition would lose the index (``i * 2**64`` is 0 mod 2**64, so
+swapped elements would go unnoticed); such a tensor is fingerprinted as its little-endian
+32-bit words instead: element i is word 2i (low half) and word 2i+1 (high half), w = 32. This
+is an extension of DESIGN.md, not part of it. The index wraps above 2**(64-w) elements (2**32
+for w = 32), far beyond any single tensor the project holds.
+
+It detects corruption and bugs, not attackers: blake3 digests and commitments do that.
+
+Two backends, bit for bit the same: numba on CPU (chunks on threads, the GIL released) and plain
+torch int64 ops on any device (``>>`` on int64 is arithmetic in torch, so shifts are masked to be
+logical; int64 multiplication and sums wrap mod 2**64 as required). Only the kernels differ:
+input handling, chunking and the 64-bit rule are shared. numba is imported on first use (see
+``shared/kernels.py``: importing it before a vLLM engine starts breaks the engine).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from .digest import dtype_name, state_digest_from_entries
+
+MASK64 = (1 << 64) - 1
+K = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5)
+M1, M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+WIDTHS = (8, 16, 32, 64)
+# Elements per piece of work. numba: per thread task (big enough to amortise, small enough to
+# balance). torch on a CPU: (4, chunk) int64 scratch that stays in cache and under torch's
+# intra-op grain (32768), so no OpenMP fork/join per op (which cost 20x on a loaded 2-core
+# machine; numba is the CPU's fast path anyway). torch elsewhere: few kernel launches, scratch
+# bounded (~1.5 GiB).
+CHUNK = {"numba": 1 << 22, "cpu": 1 << 12, "device": 1 << 24}
+Backend = Literal["auto", "numba", "torch"]
+
+_SIGNED = {8: torch.uint8, 16: torch.int16, 32: torch.int32}  # torch views of each width
+_UNSIGNED_NP = {8: np.uint8, 16: np.uint16, 32: np.uint32}
+_NP_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy bits -> a view torch takes
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Four uint64 lanes; adds and subtracts lane-wise mod 2**64, so shards and updates compose."""
+
+    lanes: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    def __post_init__(self) -> None:
+        if len(self.lanes) != 4 or not all(isinstance(v, int) and 0 <= v <= MASK64 for v in self.lanes):
+            raise ValueError(f"a fingerprint is four integers in [0, 2**64): {self.lanes!r}")
+
+    def __add__(self, other: Fingerprint) -> Fingerprint:
+        if not isinstance(other, Fingerprint):
+            return NotImplemented
+        return Fingerprint(tuple((a + b) & MASK64 for a, b in zip(self.lanes, other.lanes)))
+
+    def __radd__(self, other: object) -> Fingerprint:
+        """Lets ``sum(parts)`` start from its default 0."""
+        if isinstance(other, int) and other == 0:
+            return self
+        return NotImplemented
+
+    def __sub__(self, other: Fingerprint) -> Fingerprint:
+        if not isinstance(other, Fingerprint):
+            return NotImplemented
+        return Fingerprint(tuple((a - b) & MASK64 for a, b in zip(self.lanes, other.lanes)))
+
+    def __neg__(self) -> Fingerprint:
+        return Fingerprint() - self
+
+    def hex(self) -> str:
+        return "".join(f"{v:016x}" for v in self.lanes)
+
+    @classmethod
+    def from_hex(cls, text: str) -> Fingerprint:
+        if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+            raise ValueError(f"a fingerprint is 64 lowercase hex digits: {text!r}")
+        return cls(tuple(int(text[16 * k:16 * k + 16], 16) for k in range(4)))
+
+    def __str__(self) -> str:
+        return self.hex()
+
+
+ZERO = Fingerprint()
+
+
+# --------------------------------------------------------------------------- shared input handling
+def _words(x: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, int, int]:
+    """Flat C-order integer view of the bits (no copy when contiguous) as words of width w,
+    with how many words make one element (2 for 64-bit elements, 1 otherwise)."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.itemsize not in _NP_SIGNED:
+            raise ValueError(f"no fingerprint for {x.dtype.itemsize * 8}-bit elements ({x.dtype})")
+        x = torch.from_numpy(np.ascontiguousarray(x).reshape(-1).view(_NP_SIGNED[x.dtype.itemsize]))
+    elif x.dtype not in (torch.uint16, torch.uint32, torch.uint64):  # bit patterns, not a stored dtype
+        dtype_name(x.dtype)  # refuses what safetensors cannot store
+    width = x.element_size() * 8
+    if width not in WIDTHS:
+        raise ValueError(f"no fingerprint for {width}-bit elements ({x.dtype})")
+    per = 2 if width == 64 else 1
+    width = min(width, 32)
+    flat = x.detach().reshape(-1)
+    return flat.view(_SIGNED[width]), width, per
+
+
+def _word_indices(indices: torch.Tensor, per: int) -> torch.Tensor:
+    """Element indices to word indices (64-bit elements: the low word at 2i, the high at 2i+1)."""
+    if per == 1:
+        return indices
+    return (indices[:, None] * 2 + torch.arange(2, dtype=torch.int64, device=indices.device)).reshape(-1)
+
+
+def _pick(backend: Backend, device: torch.device) -> str:
+    if backend == "auto":
+        return "numba" if device.type == "cpu" else "torch"
+    if backend == "numba" and device.type != "cpu":
+        raise ValueError(f"the numba backend runs on the CPU, not {device}")
+    if backend not in ("numba", "torch"):
+        raise ValueError(f"unknown backend {backend!r}")
+    return backend
+
+
+def _chunk(kind: str, device: torch.device) -> int:
+    return CHUNK["numba"] if kind == "numba" else CHUNK["cpu" if device.type == "cpu" else "device"]
+
+
+def _device(device: str | torch.device | None, fallback: torch.device) -> torch.device:
+    d = torch.device(device) if device is not None else fallback
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {d} asked for, but torch sees no CUDA device")
+    return d
+
+
+# --------------------------------------------------------------------------- public API
+def tensor_fingerprint(t: torch.Tensor, *, start: int = 0, device: str | torch.device | None = None,
+                       backend: Backend = "auto", threads: bool = True, chunk: int | None = None) -> Fingerprint:
+    """Fingerprint of ``t``'s elements at global flat indices ``start, start+1, ...``.
+
+    ``start`` makes shards add up: the fingerprints of the pieces of a flat tensor, each with
+    the global index of its first element, sum to the whole tensor's. ``device``: where the
+    torch backend computes (default: where ``t`` is; chunks move there one at a time).
+    ``backend="auto"`` takes numba for the CPU and torch elsewhere. ``threads=False`` keeps the
+    numba chunks in the calling thread (for callers that parallelise across tensors). ``chunk``:
+    elements per piece of work (default: :data:`CHUNK` for the backend and device).
+    """
+    if start < 0:
+        raise ValueError(f"start must be >= 0, not {start}")
+    words, width, per = _words(t)
+    dev = _device(device, words.device)
+    kind = _pick(backend, dev)
+    chunk = (chunk or _chunk(kind, dev)) * per
+    if kind == "numba":
+        return _numba_range(words, start * per, width, threads, chunk)
+    return _torch_range(words, start * per, width, dev, chunk)
+
+
+def fingerprint_delta(indices: torch.Tensor | np.ndarray, old_bits: torch.Tensor | np.ndarray,
+                      new_bits: torch.Tensor | np.ndarray, width: int, *,
+                      device: str | torch.device | None = None, backend: Backend = "auto",
+                      chunk: int | None = None) -> Fingerprint:
+    """What changing the elements at global flat ``indices`` from ``old_bits`` to ``new_bits``
+    adds to a fingerprint: ``sum mix(x'_i ^ K) - mix(x_i ^ K)``, in O(len(indices)).
+
+    ``old_bits``/``new_bits``: the elements (any dtype of ``width`` bits: bf16 values, int16 or
+    uint16 bit patterns, ...), one per index. Unchanged positions may be included (they add 0).
+    """
+    idx = torch.from_numpy(np.ascontiguousarray(indices)) if isinstance(indices, np.ndarray) else indices
+    idx = idx.reshape(-1).to(torch.int64)
+    old, w_old, per = _words(old_bits)
+    new, w_new, _ = _words(new_bits)
+    if width not in WIDTHS or w_old != min(width, 32) or w_new != w_old:
+        raise ValueError(f"bits of {old_bits.dtype}/{new_bits.dtype} are not {width}-bit elements")
+    if not (idx.shape[0] * per == old.shape[0] == new.shape[0]):
+        raise ValueError(f"{idx.shape[0]} indices for {old.shape[0] // per}/{new.shape[0] // per} elements")
+    if idx.numel() and int(idx.min()) < 0:
+        raise ValueError("indices must be >= 0")
+    dev = _device(device, old.device)
+    widx = _word_indices(idx, per)
+    kind = _pick(backend, dev)
+    if kind == "numba":
+        return _numba_at(widx, new, w_old) - _numba_at(widx, old, w_old)
+    chunk = (chunk or _chunk(kind, dev)) * per
+    return _torch_at(widx, new, w_old, dev, chunk) - _torch_at(widx, old, w_old, dev, chunk)
+
+
+def fingerprints(state: Mapping[str, torch.Tensor], *, device: str | torch.device | None = None,
+                 backend: Backend = "auto") -> dict[str, Fingerprint]:
+    """Every tensor's fingerprint; numba spreads the tensors over the shared thread pool."""
+    from .changes import map_balanced
+
+    names = list(state)
+    on_cpu = [_pick(backend, _device(device, state[n].device)) == "numba" for n in names]
+    if all(on_cpu):
+        fps = map_balanced(lambda n: tensor_fingerprint(state[n], backend="numba", threads=False), names,
+                           [state[n].numel() for n in names])
+        return dict(zip(names, fps))
+    return {n: tensor_fingerprint(state[n], device=device, backend=backend) for n in names}
+
+
+def state_fingerprint(entries: Mapping[str, tuple[str, Iterable[int], Fingerprint | str]]) -> str:
+    """``blake3`` of ``f"{name}\\t{dtype}\\t{shape}\\t{fingerprint}\\n"`` in name order: the state
+    digest's lines with fingerprints in place of digests, from (dtype, shape, fingerprint)."""
+    return state_digest_from_entries({n: (dtype, shape, fp.hex() if isinstance(fp, Fingerprint) else fp)
+                                      for n, (dtype, shape, fp) in entries.items()})
+
+
+def state_fingerprint_of(state: Mapping[str, torch.Tensor], **kwargs) -> str:
+    fps = fingerprints(state, **kwargs)
+    return state_fingerprint({n: (dtype_name(t.dtype), t.shape, fps[n]) for n, t in state.items()})
+
+
+# --------------------------------------------------------------------------- torch backend
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >> 63 else v
+
+
+_T_K = tuple(_signed(k) for k in K)
+_T_M1, _T_M2 = _signed(M1), _signed(M2)
+
+
+def _torch_mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer in place on int64, shifts made logical by masking; ``tmp`` is
+    scratch of ``z``'s shape (no allocation per step)."""
+    for shift, mul in ((30, _T_M1), (27, _T_M2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        z.bitwise_xor_(tmp.bitwise_and_((1 << (64 - shift)) - 1))
+        if mul is not None:
+            z.mul_(mul)  # wraps mod 2**64
+    return z
+
+
+@functools.cache
+def _torch_keys(device: torch.device) -> torch.Tensor:
+    return torch.tensor(_T_K, dtype=torch.int64, device=device)[:, None]
+
+
+def _torch_sum(pieces: Iterable[tuple[int, torch.Tensor | None, torch.Tensor]], width: int,
+               device: torch.device, chunk: int) -> Fingerprint:
+    """Kernel: lane sums over pieces ``(start, word indices or None for start.., words)`` of at most
+    ``chunk`` words, all four lanes at once as a (4, chunk) int64 pass, scratch allocated once."""
+    x = torch.empty(chunk, dtype=torch.int64, device=device)
+    z = torch.empty((4, chunk), dtype=torch.int64, device=device)
+    tmp = torch.empty_like(z)
+    acc = torch.zeros(4, dtype=torch.int64, device=device)
+    for start, idx, words in pieces:
+        m = words.shape[0]
+        xv, zv = x[:m], z[:, :m]
+        if idx is None:
+            torch.arange(start, start + m, dtype=torch.int64, device=device, out=xv)
+        else:
+            xv.copy_(idx, non_blocking=True)
+        xv.mul_(1 << width).bitwise_or_(words.to(device, torch.int64).bitwise_and_((1 << width) - 1))
+        torch.bitwise_xor(xv[None, :], _torch_keys(device), out=zv)
+        acc += _torch_mix_(zv, tmp[:, :m]).sum(dim=1)
+    return Fingerprint(tuple(v & MASK64 for v in acc.tolist()))
+
+
+def _torch_range(words: torch.Tensor, start: int, width: int, device: torch.device, chunk: int) -> Fingerprint:
+    n = words.shape[0]
+    return _torch_sum(((start + s, None, words[s:s + chunk]) for s in range(0, n, chunk)), width, device,
+                      max(1, min(chunk, n)))
+
+
+def _torch_at(idx: torch.Tensor, words: torch.Tensor, width: int, device: torch.device, chunk: int) -> Fingerprint:
+    n = words.shape[0]
+    return _torch_sum(((0, idx[s:s + chunk], words[s:s + chunk]) for s in range(0, n, chunk)), width, device,
+                      max(1, min(chunk, n)))
+
+
+# --------------------------------------------------------------------------- numba backend
+# Plain functions here, compiled on first use by _kernels(); the constants are read as globals,
+# which numba freezes at compile time.
+_NK0, _NK1, _NK2, _NK3 = (np.uint64(k) for k in K)
+_NM1, _NM2 = np.uint64(M1), np.uint64(M2)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_nb_mix = None  # _mix compiled (inlined into the kernels) by _kernels(), before they compile
+
+
+def _mix(z):  # pragma: no cover - compiled by numba
+    z = (z ^ (z >> _S30)) * _NM1
+    z = (z ^ (z >> _S27)) * _NM2
+    return z ^ (z >> _S31)
+
+
+def _range_kernel(words, start, width, out):  # pragma: no cover - compiled by numba
+    """Lane sums of ``words[j]`` at word index ``start + j``; one pass, four accumulators."""
+    sh = np.uint64(width)
+    base = np.uint64(start)
+    s0, s1, s2, s3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    for j in range(words.shape[0]):
+        x = ((base + np.uint64(j)) << sh) | np.uint64(words[j])
+        s0 += _nb_mix(x ^ _NK0)
+        s1 += _nb_mix(x ^ _NK1)
+        s2 += _nb_mix(x ^ _NK2)
+        s3 += _nb_mix(x ^ _NK3)
+    out[0], out[1], out[2], out[3] = s0, s1, s2, s3
+
+
+def _at_kernel(idx, words, width, out):  # pragma: no cover - compiled by numba
+    """Lane sums of ``words[j]`` at word index ``idx[j]``."""
+    sh = np.uint64(width)
+    s0, s1, s2, s3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    for j in range(words.shape[0]):
+        x = (np.uint64(idx[j]) << sh) | np.uint64(words[j])
+        s0 += _nb_mix(x ^ _NK0)
+        s1 += _nb_mix(x ^ _NK1)
+        s2 += _nb_mix(x ^ _NK2)
+        s3 += _nb_mix(x ^ _NK3)
+    out[0], out[1], out[2], out[3] = s0, s1, s2, s3
+
+
+@functools.cache
+def _kernels():
+    import numba
+
+    global _nb_mix
+    _nb_mix = numba.njit(inline="always")(_mix)
+    jit = numba.njit(cache=True, nogil=True)
+    return jit(_range_kernel), jit(_at_kernel)
+
+
+def _np_words(words: torch.Tensor, width: int) -> np.ndarray:
+    return words.contiguous().numpy().view(_UNSIGNED_NP[width])
+
+
+def _numba_range(words: torch.Tensor, start: int, width: int, threads: bool, chunk: int) -> Fingerprint:
+    range_kernel, _ = _kernels()
+    w = _np_words(words, width)
+
+    def part(s: int) -> Fingerprint:
+        out = np.zeros(4, dtype=np.uint64)
+        range_kernel(w[s:s + chunk], start + s, width, out)
+        return Fingerprint(tuple(int(v) for v in out))
+
+    starts = range(0, w.shape[0], chunk)
+    if threads and len(starts) > 1:
+        from .changes import _pool
+
+        return sum(_pool("chunks").map(part, starts), ZERO)
+    return sum(map(part, starts), ZERO)
+
+
+def _numba_at(idx: torch.Tensor, words: torch.Tensor, width: int) -> Fingerprint:
+    _, at_kernel = _kernels()
+    out = np.zeros(4, dtype=np.uint64)
+    at_kernel(idx.contiguous().numpy(), _np_words(words, width), width, out)
+    return Fingerprint(tuple(int(v) for v in out))

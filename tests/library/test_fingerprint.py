@@ -1,0 +1,268 @@
+"""The linear tensor fingerprint: numba == torch == the slow reference, shards sum to the whole,
+an O(changes) update equals a recompute, and pinned known answers keep the definition fixed."""
+
+from __future__ import annotations
+
+import itertools
+
+import blake3
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared.changes import find_changes
+from shared.digest import SAFETENSORS_DTYPES
+from shared.fingerprint import (
+    ZERO,
+    Fingerprint,
+    fingerprint_delta,
+    fingerprints,
+    state_fingerprint,
+    state_fingerprint_of,
+    tensor_fingerprint,
+)
+
+from . import fingerprint_reference as ref
+from .helpers import bits_state, perturb
+
+DTYPES = list(SAFETENSORS_DTYPES)  # every dtype the project stores: 8, 16, 32 and 64 bits
+SHAPES = [(), (0,), (0, 3), (1,), (3,), (7, 5), (130,), (3, 1, 17), (2, 3, 11)]
+SPECIALS = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40, -1e-45, 6e-8, 3.0]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int, specials: bool = False) -> torch.Tensor:
+    """Random bit patterns (NaN payloads, infinities, -0 and subnormals occur), optionally with the
+    special values planted at random places."""
+    if dtype == torch.bool:
+        return (bits_state(seed, {"t": (shape, torch.uint8)})["t"] & 1).view(torch.bool)
+    t = bits_state(seed, {"t": (shape, dtype)})["t"]
+    if specials and dtype.is_floating_point and t.numel():
+        g = torch.Generator().manual_seed(seed)
+        vals = torch.tensor(SPECIALS).to(dtype)
+        vals.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])[0] |= 0x3  # NaN payload
+        k = min(t.numel(), len(SPECIALS))
+        t.reshape(-1)[torch.randperm(t.numel(), generator=g)[:k]] = vals[:k]
+    return t
+
+
+def all_backends(t: torch.Tensor, start: int = 0) -> dict[str, str]:
+    """The fingerprint from every implementation and chunking (tiny chunks cross many boundaries)."""
+    return {
+        "reference": ref.fingerprint_hex(t, start),
+        "numba": tensor_fingerprint(t, start=start).hex(),
+        "numba-chunks": tensor_fingerprint(t, start=start, backend="numba", chunk=5).hex(),
+        "numba-1-thread": tensor_fingerprint(t, start=start, backend="numba", threads=False, chunk=7).hex(),
+        "torch": tensor_fingerprint(t, start=start, backend="torch").hex(),
+        "torch-chunks": tensor_fingerprint(t, start=start, backend="torch", chunk=3).hex(),
+    }
+
+
+def test_reference_mix_is_splitmix64():
+    """splitmix64 seeded with 0 outputs mix(n * gamma) for n = 1, 2, 3: published values."""
+    gamma = 0x9E3779B97F4A7C15
+    outputs = [ref.mix((n * gamma) & ref.MASK64) for n in (1, 2, 3)]
+    assert outputs == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16),
+       start=st.sampled_from([0, 1, 12345, 2**31 - 1, 2**31 + 3, 2**40]), specials=st.booleans())
+def test_backends_equal_reference(dtype, shape, seed, start, specials):
+    t = random_tensor(dtype, shape, seed, specials)
+    got = all_backends(t, start)
+    assert set(got.values()) == {got["reference"]}, got
+
+
+def test_special_bit_patterns_all_backends():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        t = torch.tensor(SPECIALS).to(dtype)
+        t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])[0] |= 0x3
+        got = all_backends(t)
+        assert set(got.values()) == {got["reference"]}, (dtype, got)
+        # -0 and +0 differ, and so do two NaNs with different payloads
+        flipped = t.clone()
+        flipped.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])[0] ^= 0x1
+        assert tensor_fingerprint(flipped) != tensor_fingerprint(t)
+        assert tensor_fingerprint(torch.tensor([-0.0]).to(dtype)) != tensor_fingerprint(torch.tensor([0.0]).to(dtype))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(0, 300), seed=st.integers(0, 2**16),
+       cuts=st.lists(st.integers(0, 300), max_size=5), backend=st.sampled_from(["numba", "torch"]))
+def test_shards_sum_to_whole(dtype, n, seed, cuts, backend):
+    t = random_tensor(dtype, (n,), seed)
+    bounds = sorted({0, n, *(min(c, n) for c in cuts)})
+    parts = [tensor_fingerprint(t[a:b], start=a, backend=backend) for a, b in itertools.pairwise(bounds)]
+    assert sum(parts, ZERO) == tensor_fingerprint(t)
+
+
+def test_row_shards_of_a_matrix_sum_to_whole():
+    """Tensor-parallel row shards are flat ranges: each rank's partial uses its global start."""
+    t = random_tensor(torch.bfloat16, (12, 40), 3)
+    ranks = [t[r * 3:(r + 1) * 3] for r in range(4)]
+    partials = [tensor_fingerprint(s, start=r * 3 * 40) for r, s in enumerate(ranks)]
+    assert sum(partials) == tensor_fingerprint(t)
+    assert sum(partials[:3]) != tensor_fingerprint(t)  # a missing shard shows
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), shape=st.sampled_from([(1,), (7, 5), (130,), (64, 33)]),
+       fraction=st.sampled_from([0.0, 0.01, 0.1, 1.0]), seed=st.integers(0, 2**16),
+       backend=st.sampled_from(["numba", "torch"]))
+def test_incremental_update_equals_recompute(dtype, shape, fraction, seed, backend):
+    old = random_tensor(dtype, shape, seed)
+    new = perturb({"t": old}, fraction, seed + 1)["t"]
+    if dtype == torch.bool:
+        new = (new.view(torch.uint8) & 1).view(torch.bool)
+    o = old.reshape(-1).view(torch.uint8).view(-1, old.element_size())
+    n = new.reshape(-1).view(torch.uint8).view(-1, new.element_size())
+    pos = torch.nonzero((o != n).any(1)).reshape(-1)
+    width = 8 * old.element_size()
+    delta = fingerprint_delta(pos, old.reshape(-1)[pos], new.reshape(-1)[pos], width, backend=backend)
+    assert tensor_fingerprint(old) + delta == tensor_fingerprint(new)
+    assert tensor_fingerprint(new) - delta == tensor_fingerprint(old)
+    # unchanged positions included add nothing
+    every = torch.arange(old.numel())
+    assert fingerprint_delta(every, old.reshape(-1), new.reshape(-1), width, backend=backend) == delta
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_update_from_find_changes(dtype):
+    """The trainer's path: positions and XOR from find_changes (numpy), old bits gathered before
+    the snapshot refresh; shard-local positions plus the shard's start give the same update."""
+    old = random_tensor(dtype, (257, 31), 11)
+    new = perturb({"t": old}, 0.01, 12)["t"]
+    before = tensor_fingerprint(old)
+    snapshot = old.clone()
+    changes = find_changes(snapshot, new, update=True)
+    old_bits = old.reshape(-1).view({2: torch.int16, 4: torch.int32}[old.element_size()]).numpy()
+    old_bits = old_bits.view(changes.xor.dtype)[changes.positions]
+    width = 8 * old.element_size()
+    for backend in ("numba", "torch"):
+        delta = fingerprint_delta(changes.positions, old_bits, old_bits ^ changes.xor, width, backend=backend)
+        assert before + delta == tensor_fingerprint(new) == tensor_fingerprint(snapshot)
+    half = old.numel() // 2
+    shards = [(old.reshape(-1)[:half], new.reshape(-1)[:half], 0), (old.reshape(-1)[half:], new.reshape(-1)[half:], half)]
+    total = ZERO
+    for o, n, s in shards:
+        c = find_changes(o.clone(), n)
+        ob = o.view({2: torch.int16, 4: torch.int32}[o.element_size()]).numpy().view(c.xor.dtype)[c.positions]
+        total += tensor_fingerprint(o, start=s) + fingerprint_delta(c.positions + s, ob, ob ^ c.xor, width)
+    assert total == tensor_fingerprint(new)
+
+
+def test_64_bit_elements_are_position_sensitive():
+    """Why 64-bit elements are fingerprinted as 32-bit halves: with w = 64 the index would vanish."""
+    for dtype in (torch.int64, torch.float64):
+        t = random_tensor(dtype, (6,), 5)
+        swapped = t[[1, 0, 2, 3, 4, 5]].contiguous()
+        assert tensor_fingerprint(swapped) != tensor_fingerprint(t)
+        assert tensor_fingerprint(t).hex() == ref.fingerprint_hex(t)
+
+
+def test_non_contiguous_is_c_order():
+    t = random_tensor(torch.bfloat16, (9, 14), 2)
+    for view in (t.T, t[:, ::3], t[::2]):
+        assert tensor_fingerprint(view) == tensor_fingerprint(view.contiguous())
+        assert tensor_fingerprint(view, backend="torch").hex() == ref.fingerprint_hex(view)
+
+
+# Computed with tests/library/fingerprint_reference.py and pinned: a change here is a format change.
+KNOWN_BF16 = torch.tensor([[1.0, -2.0, float("inf"), float("nan")], [-0.0, 0.0, 1e-40, 0.015625]], dtype=torch.bfloat16)
+KNOWN = {
+    "bf16": (KNOWN_BF16, 0,
+             "7039eb91e126ffbd0587dc2c7f5eac9d86c8c3ff357a97767aa2c5b41ffca1a6"),
+    "bf16@1000": (KNOWN_BF16, 1000,
+             "bdc0dbb74d2d9c70d9c25dd2348664a1f4627ea68e66a876108df38dcf5b6599"),
+    "f32": (torch.arange(5, dtype=torch.float32) / 3, 0,
+             "045054b1ca7c1be77966fd82f16a4200267cc7089a2e3b6a5a6c127adbe2e0fd"),
+    "f16-scalar": (torch.tensor(0.5, dtype=torch.float16), 0,
+             "ad8c10d9a1f98c64bea3d67abc03f5404d72183ad63a091982652885757b263c"),
+    "u8": (torch.arange(250, 256, dtype=torch.uint8), 0,
+             "4746f91e3a1605e1b0cab296711d3a0859a3603d4f9527fad2637ebc63d8e125"),
+    "bool": (torch.tensor([True, False, True]), 0,
+             "04e55b3d2994f83d5295ff01242014f975f3487604589f5f5a3f11de6272111d"),
+    "i64": (torch.tensor([-1, 2**40 + 7], dtype=torch.int64), 0,
+             "b4988082766854a14f5e2a3e93752017254a8e0ac8ed3a0def22f079737dd421"),
+    "empty": (torch.empty(0, 4, dtype=torch.bfloat16), 0, "0" * 64),
+    # the published splitmix64 output for seed 0 in lane 0: x = 0 (index 0, bits 0) gives mix(K[0])
+    "u8-zero": (torch.zeros(1, dtype=torch.uint8), 0,
+                "e220a8397b1dcdaf" + "".join(f"{ref.mix(k):016x}" for k in ref.K[1:])),
+}
+KNOWN_STATE = "cecc788b949b20be51e1aa79a2d0d606209e7606d316a399368c05ee99359a86"
+
+
+@pytest.mark.parametrize("case", list(KNOWN))
+def test_known_answers(case):
+    t, start, expect = KNOWN[case]
+    assert ref.fingerprint_hex(t, start) == expect
+    got = all_backends(t, start)
+    assert set(got.values()) == {expect}, got
+
+
+def test_state_fingerprint_is_blake3_of_lines():
+    state = {"b.weight": KNOWN["f32"][0], "a.weight": KNOWN_BF16, "s": KNOWN["f16-scalar"][0]}
+    text = "".join(f"{n}\t{d}\t{s}\t{ref.fingerprint_hex(state[n])}\n"
+                   for n, d, s in [("a.weight", "BF16", "2,4"), ("b.weight", "F32", "5"), ("s", "F16", "")])
+    expect = blake3.blake3(text.encode()).hexdigest()
+    assert expect == KNOWN_STATE
+    fps = fingerprints(state)
+    assert fps == fingerprints(state, backend="torch")
+    entries = {n: (SAFETENSORS_DTYPES[t.dtype], t.shape, fps[n]) for n, t in state.items()}
+    assert state_fingerprint(entries) == expect
+    assert state_fingerprint({n: (d, s, fp.hex()) for n, (d, s, fp) in entries.items()}) == expect
+    assert state_fingerprint_of(state) == state_fingerprint_of(state, backend="torch") == expect
+
+
+def test_fingerprint_value_semantics():
+    a = tensor_fingerprint(random_tensor(torch.float32, (50,), 1))
+    b = tensor_fingerprint(random_tensor(torch.float32, (50,), 2))
+    assert Fingerprint.from_hex(a.hex()) == a and str(a) == a.hex() and len(a.hex()) == 64
+    assert (a + b) - b == a and a - a == ZERO and -a + a == ZERO and sum([a, b]) == a + b
+    assert all(0 <= v < 2**64 for v in (a + b).lanes)
+    big = Fingerprint((2**64 - 1,) * 4)
+    assert (big + Fingerprint((1, 2, 3, 4))).lanes == (0, 1, 2, 3)
+    assert (ZERO - Fingerprint((1, 0, 0, 0))).lanes == (2**64 - 1, 0, 0, 0)
+    for bad in ("0" * 63, "0" * 64 + "0", "G" * 64, "A" * 64):
+        with pytest.raises(ValueError):
+            Fingerprint.from_hex(bad)
+    with pytest.raises(ValueError):
+        Fingerprint((0, 0, 0, 2**64))
+    with pytest.raises(ValueError):
+        Fingerprint((0, 0, 0))
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        tensor_fingerprint(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="start"):
+        tensor_fingerprint(torch.zeros(3), start=-1)
+    with pytest.raises(ValueError, match="16-bit"):
+        fingerprint_delta(torch.tensor([0]), torch.zeros(1), torch.zeros(1), 16)
+    with pytest.raises(ValueError, match="indices for"):
+        fingerprint_delta(torch.tensor([0, 1]), torch.zeros(1), torch.zeros(1), 32)
+    with pytest.raises(ValueError, match=">= 0"):
+        fingerprint_delta(np.array([-1]), np.zeros(1, np.uint16), np.zeros(1, np.uint16), 16)
+    with pytest.raises(ValueError, match="numba backend"):
+        tensor_fingerprint(torch.zeros(3), device="meta", backend="numba")
+
+
+def test_cuda_device_selection():
+    """device="cuda" runs the torch code on the GPU where there is one, and says so where not."""
+    t = random_tensor(torch.bfloat16, (1000, 3), 9)
+    if torch.cuda.is_available():
+        assert tensor_fingerprint(t, device="cuda") == tensor_fingerprint(t.cuda()) == tensor_fingerprint(t)
+    else:
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            tensor_fingerprint(t, device="cuda")
+
+
+def test_large_tensor_many_chunks():
+    """Default chunking on both backends (several numba tasks on threads, many torch passes)."""
+    t = random_tensor(torch.bfloat16, (3 * (1 << 22) + 17,), 4)
+    numba_fp = tensor_fingerprint(t)
+    assert numba_fp == tensor_fingerprint(t, backend="torch", chunk=1 << 20)
+    head = t[: 1 << 20]
+    assert tensor_fingerprint(head, backend="torch") == tensor_fingerprint(head)
