@@ -18,7 +18,8 @@ from __future__ import annotations
 import heapq
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -131,11 +132,17 @@ def ref_for(kind: Literal["anchor", "delta"], header: Header, key: str, data: by
 
 
 class Chain:
-    """Reads and writes one version chain. Manifests are cached: they only ever gain objects."""
+    """Reads and writes one version chain. Manifests are cached: they only ever gain objects.
+
+    An object that failed its check against its manifest or was missing is remembered (by key and
+    blake3, so a new object under the same key is not), and :meth:`plan` routes around it while
+    another route exists: a reader that met a damaged delta plans through an anchor next time.
+    """
 
     def __init__(self, store: Store):
         self.store = store
         self._manifests: dict[int, Manifest] = {}
+        self._failed: set[tuple[str, str | None]] = set()  # (key, blake3) that failed or were missing
 
     # ------------------------------------------------------------------ read
     def latest(self) -> Latest | None:
@@ -166,9 +173,21 @@ class Chain:
     def fetch_bytes(self, ref: ObjectRef) -> bytes:
         if ref.key is None:
             raise DeltaError("missing", f"v{ref.version} is the external checkpoint {ref.external!r}")
-        data = self.store.get(ref.key)
-        _check(ref, len(data), blake3.blake3(data).hexdigest())
+        with self._checking(ref):
+            data = self.store.get(ref.key)
+            _check(ref, len(data), blake3.blake3(data).hexdigest())
         return data
+
+    @contextmanager
+    def _checking(self, ref: ObjectRef) -> Iterator[None]:
+        """Remember whether ``ref`` could be fetched whole (see :meth:`plan`)."""
+        try:
+            yield
+        except DeltaError as e:
+            if e.reason in ("missing", "corrupt"):
+                self._failed.add((ref.key or "", ref.blake3))
+            raise
+        self._failed.discard((ref.key or "", ref.blake3))
 
     def fetch(self, ref: ObjectRef) -> DeltaFile:
         """Download and check an object against its manifest entry, then parse it."""
@@ -179,15 +198,16 @@ class Chain:
         it in memory whole (anchors are as large as the model)."""
         if ref.key is None:
             raise DeltaError("missing", f"v{ref.version} is the external checkpoint {ref.external!r}")
-        path = self.store.download(ref.key, path)
-        size = path.stat().st_size
-        digest = (blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(str(path)) if size
-                  else blake3.blake3()).hexdigest()
-        try:
-            _check(ref, size, digest)
-        except DeltaError:
-            path.unlink(missing_ok=True)
-            raise
+        with self._checking(ref):
+            path = self.store.download(ref.key, path)
+            size = path.stat().st_size
+            digest = (blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(str(path)) if size
+                      else blake3.blake3()).hexdigest()
+            try:
+                _check(ref, size, digest)
+            except DeltaError:
+                path.unlink(missing_ok=True)
+                raise
         return path
 
     def plan(self, from_version: int | None, to_version: int,
@@ -197,7 +217,9 @@ class Chain:
         Starting points are the held version (free, if its commitment matches the chain's) and
         every anchor at or before the target (costing its size; an external anchor costs nothing
         to download but only helps a replica that already holds it, so it is used only when
-        nothing else reaches the target).
+        nothing else reaches the target). Objects that failed their check or were missing when
+        last fetched are left out while any route avoids them (e.g. through an anchor); when none
+        does they are tried again, since they may have been repaired since.
         """
         target = self.manifest(to_version)
         if from_version is not None and from_version == to_version:
@@ -218,21 +240,10 @@ class Chain:
                    (from_commitment is None or self.manifest(from_version).commitment == from_commitment))
         if held_ok:
             starts.append((0, from_version, []))
-        best: dict[int, float] = {}
-        heap = [(c, v, i, path) for i, (c, v, path) in enumerate(starts)]
-        heapq.heapify(heap)
-        tie = len(heap)
-        while heap:
-            cost, v, _, path = heapq.heappop(heap)
-            if v == to_version:
+        for avoid in ([set(self._failed)] if self._failed else []) + [set()]:
+            path = _cheapest(starts, edges, to_version, avoid)
+            if path is not None:
                 return path
-            if best.get(v, float("inf")) <= cost:
-                continue
-            best[v] = cost
-            for o in edges.get(v, []):
-                if o.version <= to_version:
-                    tie += 1
-                    heapq.heappush(heap, (cost + o.size, o.version, tie, path + [o]))
         raise DeltaError("missing", f"no chain of objects reaches v{target.version} from "
                          f"{'nothing' if from_version is None else f'v{from_version}'} (lowest v{lo})")
 
@@ -323,6 +334,31 @@ class Chain:
         return dropped
 
 
+def _cheapest(starts: list[tuple[float, int, list[ObjectRef]]], edges: dict[int, list[ObjectRef]], to_version: int,
+              avoid: set[tuple[str, str | None]]) -> list[ObjectRef] | None:
+    """Dijkstra over versions: the cheapest object list reaching ``to_version`` that uses no
+    object in ``avoid``, or None."""
+    def usable(o: ObjectRef) -> bool:
+        return o.key is None or (o.key, o.blake3) not in avoid
+
+    best: dict[int, float] = {}
+    heap = [(c, v, i, path) for i, (c, v, path) in enumerate(starts) if all(usable(o) for o in path)]
+    heapq.heapify(heap)
+    tie = len(heap)
+    while heap:
+        cost, v, _, path = heapq.heappop(heap)
+        if v == to_version:
+            return path
+        if best.get(v, float("inf")) <= cost:
+            continue
+        best[v] = cost
+        for o in edges.get(v, []):
+            if o.version <= to_version and usable(o):
+                tie += 1
+                heapq.heappush(heap, (cost + o.size, o.version, tie, path + [o]))
+    return None
+
+
 def reconstruct(chain: Chain, version: int | None = None, *, progress: bool = False,
                 base: str | Path | Mapping[str, torch.Tensor] | None = None,
                 ) -> tuple[dict[str, torch.Tensor], Header]:
@@ -333,22 +369,35 @@ def reconstruct(chain: Chain, version: int | None = None, *, progress: bool = Fa
     downloaded Hub snapshot) or its state (name -> tensor). Without ``base`` the manifest's
     ``external`` is loaded when it is a local path; a Hub id is refused (``missing``), naming it.
     Either way the base must have the chain's state digest (``wrong_base`` otherwise). ``base`` is
-    not used when the store's own anchors reach ``version``.
+    not used when the store's own anchors reach ``version``. An object found damaged or missing
+    is routed around (``Chain.plan``) when another route reaches ``version``.
     """
+    if version is None:
+        latest = chain.latest()
+        if latest is None:
+            raise DeltaError("missing", f"{chain.store.uri} holds no version")
+        version = latest.version
+    tried: list[list[ObjectRef]] = []
+    while True:  # an object found damaged or missing: plan again around it, while another route exists
+        plan = chain.plan(None, version)
+        try:
+            return _rebuild(chain, plan, base, progress)
+        except DeltaError as e:
+            if e.reason not in ("missing", "corrupt") or plan in tried:
+                raise
+            tried.append(plan)
+
+
+def _rebuild(chain: Chain, plan: list[ObjectRef], base, progress: bool) -> tuple[dict[str, torch.Tensor], Header]:
     from tqdm.auto import tqdm
 
     from .apply import apply_delta
     from .checkpoint import load_state
     from .digest import state_digest
 
-    if version is None:
-        latest = chain.latest()
-        if latest is None:
-            raise DeltaError("missing", f"{chain.store.uri} holds no version")
-        version = latest.version
     state: dict[str, torch.Tensor] = {}
     header: Header | None = None
-    for ref in tqdm(chain.plan(None, version), desc="rebuild", unit="obj", disable=not progress):
+    for ref in tqdm(plan, desc="rebuild", unit="obj", disable=not progress):
         if ref.kind == "anchor":
             m = chain.manifest(ref.version)
             if ref.key is None:

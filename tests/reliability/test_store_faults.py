@@ -25,6 +25,7 @@ from library.helpers import perturb, same_bits
 from reliability.publisher_proc import POLICY, states
 from shared.chain import Chain, reconstruct
 from shared.digest import state_digest
+from shared.errors import DeltaError
 from shared.lock import read_holder
 from shared.process import REPO
 from shared.publisher import DeltaPublisher
@@ -142,3 +143,74 @@ def test_publisher_killed_mid_upload(tmp_path, tally, caplog, what, hold, skip, 
         assert not any(".tmp-" in f for f in files_in(store)), files_in(store)
         state, header = reconstruct(Chain(open_store(store)))
         assert header.version == landed + 1 and same_bits(state, nxt)
+
+
+# ------------------------------------------------------------------------ objects damaged after publish
+
+
+def damage(path: Path, how: str) -> None:
+    """Bit rot, a cut-off upload, or an object deleted by hand, on the store's own files."""
+    if how == "deleted":
+        path.unlink()
+        return
+    data = bytearray(path.read_bytes())
+    if how == "bit flip":
+        data[len(data) // 2] ^= 0x10
+    else:  # truncated
+        del data[len(data) // 2:]
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = ["bit flip", "truncated", "deleted"]
+REASON = {"bit flip": "corrupt", "truncated": "corrupt", "deleted": "missing"}
+
+
+def publish_states(store: str | Path, wanted: list[dict]) -> None:
+    """Versions 0..len-1 of ``wanted`` (anchors at v0, v3, v6), every version kept."""
+    live = {k: t.clone() for k, t in wanted[0].items()}
+    with DeltaPublisher(live, str(store), dtype=None, policy=POLICY, keep_anchors=1000) as pub:
+        for state in wanted[1:]:
+            for k, t in live.items():
+                t.copy_(state[k])
+            pub.publish()
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_reader_refuses_a_damaged_object_and_routes_around_it(tmp_path, tally, how):
+    """A damaged delta on a reader's path: refused, naming it; the next plan goes through an anchor.
+    A damaged anchor: ``reconstruct`` rebuilds through an older anchor. No route left: refused."""
+    store, wanted = tmp_path / "store", states(7)
+    publish_states(store, wanted)
+    chain = Chain(open_store(store, create=False))
+    key = chain.manifest(5).object("delta").key
+    with injected(tally, f"delta {how} after publish (a replica's plan routes through an anchor)"):
+        plan = chain.plan(4, 6, chain.manifest(4).commitment)
+        assert [(o.kind, o.version) for o in plan] == [("delta", 5), ("delta", 6)]
+        damage(store / key, how)
+        with pytest.raises(DeltaError) as e:
+            chain.fetch(plan[0])
+        assert e.value.reason == REASON[how] and key in str(e.value)
+        tally.input(f"delta {how} after publish", refused=True)
+        plan = chain.plan(4, 6, chain.manifest(4).commitment)
+        assert [(o.kind, o.version) for o in plan] == [("anchor", 6)]
+        state, header = reconstruct(chain, 6)
+        assert header.version == 6 and same_bits(state, wanted[6])
+
+    anchor = chain.manifest(3).object("anchor").key
+    with injected(tally, f"anchor {how} after publish (reconstruct goes through an older anchor)"):
+        damage(store / anchor, how)
+        fresh = Chain(open_store(store, create=False))  # a reader that knows nothing yet
+        state, header = reconstruct(fresh, 4)
+        assert header.version == 4 and same_bits(state, wanted[4])
+        assert [o.version for o in fresh.plan(None, 4)] == [0, 1, 2, 3, 4]
+
+    last = chain.manifest(7).object("delta").key
+    with injected(tally, f"delta {how} after publish, no other route (refused, older versions intact)"):
+        damage(store / last, how)
+        for reader in (chain, Chain(open_store(store, create=False))):
+            with pytest.raises(DeltaError) as e:
+                reconstruct(reader, 7)
+            assert e.value.reason == REASON[how] and last in str(e.value)
+        tally.input(f"delta {how} after publish, no other route", refused=True)
+        state, header = reconstruct(Chain(open_store(store, create=False)), 6)
+        assert header.version == 6 and same_bits(state, wanted[6])
