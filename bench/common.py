@@ -9,35 +9,47 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def median_time(fn: Callable[[], object], reps: int = 5) -> float:
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued accelerator work, so a timing ends when the work does (no-op on CPU)."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], object], reps: int = 5, device: torch.device | str | None = None) -> float:
+    """Median wall time of ``fn``; with an accelerator ``device`` each call is synchronised."""
     times = []
     for _ in range(reps):
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def memcpy_seconds(state: Mapping[str, torch.Tensor], reps: int = 5) -> float:
-    """Time to copy every tensor once into preallocated buffers: the machine's memcpy floor."""
+    """Time to copy every tensor once into preallocated buffers on its device: the memcpy floor."""
     bufs = {n: torch.empty_like(t) for n, t in state.items()}
+    device = next(iter(state.values())).device if state else None
 
     def copy():
         for n, t in state.items():
             bufs[n].copy_(t)
 
     copy()
-    return median_time(copy, reps)
+    return median_time(copy, reps, device)
 
 
 def int32_bf16_bytes(positions: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> int:
     """Size of the TRL prototype's format (int32 indices + values) for the same change."""
+    import safetensors.torch
+
     tensors = {}
     for name, pos in positions.items():
         if pos.numel():
