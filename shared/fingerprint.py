@@ -6,7 +6,8 @@ Definition, for a tensor of w-bit elements with flat C-order index i and bit pat
     x_i    = (i * 2**w + b_i) mod 2**64
     mix(z) = splitmix64's finalizer (logical shifts, all mod 2**64)
     lane_k = sum over i of mix(x_i ^ K[k]) mod 2**64, k = 0..3
-    hex    = the four lanes as 16 lowercase hex digits each, lane 0 first (64 characters)
+    hex    = the four lanes as 16 lowercase hex digits each (most significant digit first),
+             lane 0 first: 64 characters, like a blake3 hex digest
 
 Supported: every safetensors dtype the project stores (``shared.digest.SAFETENSORS_DTYPES``).
 w = 8 (U8, I8, BOOL), 16 (BF16, F16, I16) and 32 (F32, I32) are exactly the definition above.
@@ -177,7 +178,8 @@ def fingerprint_delta(indices: torch.Tensor | np.ndarray, old_bits: torch.Tensor
     adds to a fingerprint: ``sum mix(x'_i ^ K) - mix(x_i ^ K)``, in O(len(indices)).
 
     ``old_bits``/``new_bits``: the elements (any dtype of ``width`` bits: bf16 values, int16 or
-    uint16 bit patterns, ...), one per index. Unchanged positions may be included (they add 0).
+    uint16 bit patterns, ...), one per index. Unchanged positions may be included (they add 0);
+    an index listed twice counts twice. 64-bit elements: indices of elements, not of their halves.
     """
     idx = torch.from_numpy(np.ascontiguousarray(indices)) if isinstance(indices, np.ndarray) else indices
     idx = idx.reshape(-1).to(torch.int64)
@@ -220,6 +222,7 @@ def state_fingerprint(entries: Mapping[str, tuple[str, Iterable[int], Fingerprin
 
 
 def state_fingerprint_of(state: Mapping[str, torch.Tensor], **kwargs) -> str:
+    """The state fingerprint computed from the tensors themselves (``kwargs``: see :func:`fingerprints`)."""
     fps = fingerprints(state, **kwargs)
     return state_fingerprint({n: (dtype_name(t.dtype), t.shape, fps[n]) for n, t in state.items()})
 
@@ -264,7 +267,8 @@ def _torch_sum(pieces: Iterable[tuple[int, torch.Tensor | None, torch.Tensor]], 
             torch.arange(start, start + m, dtype=torch.int64, device=device, out=xv)
         else:
             xv.copy_(idx, non_blocking=True)
-        xv.mul_(1 << width).bitwise_or_(words.to(device, torch.int64).bitwise_and_((1 << width) - 1))
+        bits = words.to(device, non_blocking=True).to(torch.int64)  # narrow words cross, then widen
+        xv.mul_(1 << width).bitwise_or_(bits.bitwise_and_((1 << width) - 1))
         torch.bitwise_xor(xv[None, :], _torch_keys(device), out=zv)
         acc += _torch_mix_(zv, tmp[:, :m]).sum(dim=1)
     return Fingerprint(tuple(v & MASK64 for v in acc.tolist()))
@@ -349,6 +353,7 @@ def _numba_range(words: torch.Tensor, start: int, width: int, threads: bool, chu
 
     starts = range(0, w.shape[0], chunk)
     if threads and len(starts) > 1:
+        # the chunk pool find_changes uses, apart from the tensor pool (no task waits on its own queue)
         from .changes import _pool
 
         return sum(_pool("chunks").map(part, starts), ZERO)
