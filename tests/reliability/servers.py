@@ -9,6 +9,7 @@ server's whole process tree, engine core included, as a crash would leave it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -67,15 +68,25 @@ def launch(model: Path, store: Path, workdir: Path, *extra: str, map_cache: Path
     ``workdir`` finds what the previous process left there."""
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"rollout-{port}.log"
+    for k in itertools.count(1):  # a restart on the same port keeps its predecessor's log
+        if not log.exists():
+            break
+        log = workdir / f"rollout-{port}.{k}.log"
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {"VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), "TOKENIZERS_PARALLELISM": "false",
                 "DELTASYNC_MAP_CACHE": str(map_cache), "PYTHONPATH": pythonpath, **(env or {})}
-    return Server(model, store, log_path=workdir / f"rollout-{port}.log", token=TOKEN, env=full_env, port=port,
+    return Server(model, store, log_path=log, token=TOKEN, env=full_env, port=port,
                   extra=["--work-dir", str(workdir / "objects"), *ENGINE_ARGS, *extra])
 
 
 def wait_ready(server: Server) -> Server:
-    server.wait_ready(STARTUP_TIMEOUT_S)
+    """Ready, or an error that shows the server's log without its flood of health checks."""
+    try:
+        server.wait_ready(STARTUP_TIMEOUT_S)
+    except (TimeoutError, RuntimeError) as e:
+        lines = [ln for ln in server.log().splitlines() if '"GET /health HTTP/1.1"' not in ln]
+        raise type(e)(f"{str(e).splitlines()[0]}\n{server.log_path}:\n" + "\n".join(lines[-80:])) from None
     return server
 
 
