@@ -92,6 +92,15 @@ def parse_args(argv: list[str] | None = None):
         (("--no-predict",), dict(dest="predict", action="store_false", help=(
             "skip predicting each touched tensor's digest before the write; the read-back audit after it "
             "still runs (default: predict)"))),
+        (("--write-probe",), dict(choices=("start", "dense", "off"), default="start", help=(
+            "check that writes into the engine's parameters reach its output (the read-back audit cannot "
+            "see a backend computing from a copy): perturb each parameter, a fixed prompt's logprobs must "
+            "move, restore it, they must come back bit for bit; on failure the replica refuses generation "
+            "and updates (503). start: at start-up, before serving; dense: also after every dense load "
+            "while serving (generation held meanwhile); off: only on POST /probe (default: %(default)s)"))),
+        (("--write-probe-params",), dict(type=int, default=0, metavar="K", help=(
+            "check K parameters drawn at random per probe instead of all (one forward each; 0: all; "
+            "default: %(default)s)"))),
     ]
     for flags, kwargs in options:
         g.add_argument(*flags, **kwargs).deltasync = True
@@ -103,6 +112,8 @@ def parse_args(argv: list[str] | None = None):
     if not args.store:
         parser.error("--store is required (or set DELTASYNC_STORE): a folder, "
                      "hf://buckets/NAMESPACE/NAME[/PREFIX] or s3://BUCKET[/PREFIX]")
+    if args.write_probe_params < 0:
+        parser.error("--write-probe-params must be 0 (all) or more")
     if args.max_body_bytes < 1:
         parser.error("--max-body-bytes must be at least 1")
     if args.model_tag and not getattr(args, "model", None):

@@ -10,6 +10,20 @@ One ``AsyncLLM`` (its engine core and worker run in a child process) with the
    queue), write, label the engine's weight version, reset the prefix cache, resume,
 5. audit the written tensors by reading them back (generation goes on); revert on mismatch.
 
+The audit proves the parameters hold the target bits; it cannot tell whether generation computes
+from them (see :mod:`rollout_space.replica`). That is the **write-through probe**
+(:meth:`RolloutEngine.write_probe`), run at start-up before serving, on demand (``POST /probe``)
+and, with ``--write-probe dense``, after every dense load while serving: with no other request
+in the engine it runs a fixed prompt (prompt logprobs and one greedy token's, prefix cache not
+read), then for each engine parameter a delta can write (all, or ``--write-probe-params K``
+sampled) writes a perturbation through the delta's own write path, reruns the prompt and requires
+the logprobs to change, writes the old bits back; at the end the prompt must give the first
+run's logprobs bit for bit. A parameter whose perturbation leaves the output unchanged is one the
+engine does not compute from: the replica is then damaged for good (generation and updates
+refused with 503) since no update can fix it. Cost: 3 + (parameters checked) forwards of a
+16-token prompt and two in-place writes of each checked parameter; the first two forwards check
+that the prompt is deterministic (if not, the probe is ``inconclusive`` and changes nothing).
+
 Each engine output carries the weight version label of the step that produced it, so every
 response can say which policy version generated it, token span by token span.
 """
@@ -21,8 +35,10 @@ import contextvars
 import json
 import logging
 import os
+import random
 import tempfile
 import time
+import uuid
 from argparse import Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +55,9 @@ log = logging.getLogger("rollout_space.engine")
 EXTENSION = "rollout_space.worker.DeltaWorkerExtension"
 BASE_LABEL = "base"  # weight version label before the chain names a version
 DAMAGED_LABEL = "damaged"  # weights of no version (a failed dense load): no response names a version
+PROBE_TOKENS = 16  # length of the write-through probe's prompt
+PROBE_SEED = 20261129  # its token ids: a fixed draw from the vocabulary, the same on every replica
+PROBE_HOLD_S = 120.0  # longest wait for in-flight requests before an on-demand probe is refused
 
 # Per request: the weight-version spans of each finished choice, filled by the wrapped generate.
 SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("deltasync_spans", default=None)
@@ -53,6 +72,21 @@ def _runs_of_deltas(plan: list) -> list[list]:
         else:
             groups.append([ref])
     return groups
+
+
+class ProbedUpdateResponse(UpdateResponse):
+    """``UpdateResponse`` plus the write-through probe that ran after a dense load while serving
+    (``--write-probe dense``), or None."""
+
+    write_probe: dict | None = None
+
+
+class WriteThroughFailed(Exception):
+    """A write into an engine parameter did not reach the output (the message says which)."""
+
+
+class ProbeBusy(Exception):
+    """The write-through probe cannot run now (generation paused by a user, requests did not end)."""
 
 
 class UpdateRefused(Exception):
@@ -93,6 +127,7 @@ class ReplicaState:
     status: str = "starting"
     latest_seen: int | None = None
     history: list[dict] = field(default_factory=list)
+    damage: str = ""  # why the replica is damaged (status "damaged")
 
 
 class RolloutEngine:
@@ -115,6 +150,17 @@ class RolloutEngine:
         self.weight_writes = 0  # bumped before and after every write to the live weights
         self._digest: tuple[tuple, dict] | None = None  # (weights key, result)
         self._digest_task: tuple[tuple, asyncio.Task] | None = None  # (weights key, computation)
+        # Write-through probe: the last report; a failure that no update can repair; the gate that
+        # holds new generation requests while it runs, and the count of requests in the engine.
+        self.write_probe_report: dict | None = None
+        self.write_through_failure = ""
+        self.serving = False  # set when start-up ends: later probes must hold generation
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._active = 0
+        self._raw_generate: Any = None
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -159,6 +205,12 @@ class RolloutEngine:
         if self.state.status == "updating":
             self.state.status = "ready"
         self.timings["catchup_s"] = time.perf_counter() - t1
+        if self.probe_mode != "off":  # before serving: nothing to hold
+            try:
+                await self.write_probe("start")
+            except Exception:  # noqa: BLE001 - it could not run: the replica says it is damaged
+                log.exception("the write-through probe at start-up could not run")
+        self.serving = True
         self.timings["startup_s"] = time.perf_counter() - t0
         if self.state.status == "starting":
             self.state.status = "ready"
@@ -174,23 +226,32 @@ class RolloutEngine:
         return await self.update(latest.version)
 
     def _track_versions(self) -> None:
-        """Record, per request, the weight-version spans the engine reports for each choice."""
+        """Record, per request, the weight-version spans the engine reports for each choice; hold
+        new requests at the gate while the write-through probe runs, and count those in flight."""
         engine = self.engine
-        generate = engine.generate
+        generate = self._raw_generate = engine.generate
 
-        async def iterate(outputs, spans: list):
-            async for out in outputs:
-                for c in out.outputs:
-                    if c.finish_reason is not None and c.weight_versions is not None:
-                        spans.append([(s.version, s.start, s.end) for s in c.weight_versions])
-                yield out
+        async def iterate(args, kwargs, spans: list | None):
+            while not self._gate.is_set():  # re-check: the gate may close again before we run
+                await self._gate.wait()
+            self._active += 1
+            self._idle.clear()
+            try:
+                async for out in generate(*args, **kwargs):
+                    if spans is not None:
+                        for c in out.outputs:
+                            if c.finish_reason is not None and c.weight_versions is not None:
+                                spans.append([(s.version, s.start, s.end) for s in c.weight_versions])
+                    yield out
+            finally:
+                self._active -= 1
+                if not self._active:
+                    self._idle.set()
 
         def tracked(*args, **kwargs):
             # Read the collector when the call is made (in the request handler's context); a
             # streaming response iterates the generator later, from another task.
-            spans = SPANS.get()
-            outputs = generate(*args, **kwargs)
-            return outputs if spans is None else iterate(outputs, spans)
+            return iterate(args, kwargs, SPANS.get())
 
         engine.generate = tracked
 
@@ -239,6 +300,14 @@ class RolloutEngine:
     # ------------------------------------------------------------------ updates
     async def update(self, target: int | None = None, mode: PauseMode = "wait") -> UpdateResponse:
         async with self._lock:
+            if self.write_through_failure:  # writes would not reach generation: no update can help
+                self.last_refused = target
+                metrics.REFUSED.labels(reason="write_through").inc()
+                resp = self._response(target, [], time.perf_counter())
+                resp.refused = Refusal(reason="write_through", message=self.write_through_failure,
+                                       version=target)
+                resp.accepted = False
+                raise UpdateRefused(resp)
             return await self._update(target, mode)
 
     async def _update(self, target: int | None, mode: PauseMode) -> UpdateResponse:
@@ -263,10 +332,20 @@ class RolloutEngine:
                     steps.append(await self._apply(group[0], mode))
                 else:
                     steps += await self._apply_run(group, mode)
-            self.state.status = "ready"
-            return self._response(target, steps, t0)
+            self.state.status, self.state.damage = "ready", ""
+            probe = None
+            if self.probe_mode == "dense" and self.serving and any(s.kind != "delta" and s.commit_s
+                                                                   for s in steps):
+                probe = await self._write_probe("dense")
+                if probe["outcome"] == "failed":
+                    raise WriteThroughFailed(probe["message"])
+            resp = self._response(target, steps, t0)
+            resp.write_probe = probe
+            return resp
         except DeltaError as e:
             refusal = Refusal(reason=e.reason, message=e.message, version=target)
+        except WriteThroughFailed as e:
+            refusal = Refusal(reason="write_through", message=str(e), version=target)
         except Exception as e:  # noqa: BLE001 - reported, and the replica keeps serving
             log.exception("update to v%s failed", target)
             refusal = Refusal(reason="internal", message=f"{type(e).__name__}: {e}", version=target)
@@ -282,8 +361,8 @@ class RolloutEngine:
         resp.refused, resp.accepted = refusal, False
         raise UpdateRefused(resp)
 
-    def _response(self, target: int | None, steps: list[StepReport], t0: float) -> UpdateResponse:
-        return UpdateResponse(version=self.state.version, commitment=self.state.commitment,
+    def _response(self, target: int | None, steps: list[StepReport], t0: float) -> ProbedUpdateResponse:
+        return ProbedUpdateResponse(version=self.state.version, commitment=self.state.commitment,
                               state_digest=self.state.state_digest, target=target, steps=steps,
                               total_s=time.perf_counter() - t0)
 
@@ -379,6 +458,7 @@ class RolloutEngine:
         A later update re-syncs from an anchor."""
         log.error("replica damaged: %s; refusing generation until a re-sync", why)
         self.state.status = "damaged"
+        self.state.damage = why
         self.state.version, self.state.commitment, self.state.state_digest = None, "", ""
         try:
             await self.engine.update_weight_version(DAMAGED_LABEL)
@@ -511,6 +591,132 @@ class RolloutEngine:
         metrics.DOWNLOAD_BYTES.inc(size)
         metrics.DOWNLOAD_SECONDS.observe(dt)
         return path, dt
+
+    # ------------------------------------------------------------------ write-through probe
+    @property
+    def probe_mode(self) -> str:
+        return getattr(self.args, "write_probe", "off")
+
+    async def write_probe(self, why: str) -> dict:
+        """Run the write-through probe (see the module docstring) and return its report. After
+        start-up it holds generation: new requests wait, those in flight finish first.
+
+        What a pass proves: at the time it ran, for every parameter listed, an ``index_copy_``
+        into that parameter's storage (the path a delta's write takes) changed the logprobs the
+        engine computes for the probe prompt, and writing the old bits back gave the first run's
+        logprobs bit for bit. Parameters not sampled were not checked. A backend that later
+        replaces a parameter is caught by every audit (``LiveWeights.unbound``); one that copies
+        a parameter later without replacing it is caught by the next probe only."""
+        async with self._lock:
+            return await self._write_probe(why)
+
+    async def _write_probe(self, why: str) -> dict:
+        if self.user_paused:
+            raise ProbeBusy("generation is paused (POST /pause); resume it first")
+        t0 = time.perf_counter()
+        async with self.write_lock:
+            held = self.serving
+            if held:
+                await self._hold_generation()
+            self.weight_writes += 1  # no digest computed meanwhile may be kept
+            try:
+                report = await self._probe_params(why)
+            except BaseException as e:
+                await self._damaged(f"write-through probe ({why}) failed to run: {type(e).__name__}: {e}")
+                raise
+            finally:
+                self.weight_writes += 1
+                try:  # KV the perturbed runs cached must never be read
+                    await self.engine.reset_prefix_cache(reset_running_requests=True)
+                finally:
+                    if held:
+                        self._gate.set()
+        report["seconds"] = time.perf_counter() - t0
+        self.write_probe_report = report
+        metrics.WRITE_PROBES.labels(outcome=report["outcome"]).inc()
+        metrics.WRITE_PROBE_SECONDS.observe(report["seconds"])
+        metrics.WRITE_PROBE_FAILED.set(len(report["failed"]))
+        if report["outcome"] == "failed":
+            self.write_through_failure = report["message"]
+            await self._damaged(report["message"])
+        elif report["outcome"] == "inconclusive":
+            log.warning("write-through probe (%s): %s", why, report["message"])
+        else:
+            log.info("write-through probe (%s): %s in %.2fs", why, report["message"], report["seconds"])
+        return report
+
+    async def _hold_generation(self) -> None:
+        """Close the gate to new requests and wait for those in the engine to finish."""
+        self._gate.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), PROBE_HOLD_S)
+        except TimeoutError:
+            self._gate.set()
+            raise ProbeBusy(f"requests still running after {PROBE_HOLD_S:.0f}s") from None
+
+    async def _probe_params(self, why: str) -> dict:
+        targets = await self.rpc("deltasync_probe_targets")
+        params = targets["params"]
+        k = getattr(self.args, "write_probe_params", 0) or len(params)
+        chosen = params if k >= len(params) else sorted(random.sample(params, k), key=params.index)
+        report = {"why": why, "version": self.state.version, "outcome": "passed", "ok": True,
+                  "covered": len(params), "checked": len(chosen), "failed": [], "unbound": targets["unbound"],
+                  "deterministic": True, "restored": True, "forwards": 0, "prompt_tokens": PROBE_TOKENS,
+                  "params": []}
+        first = await self._probe_logprobs(report)
+        if await self._probe_logprobs(report) != first:
+            report |= {"outcome": "inconclusive", "ok": False, "deterministic": False,
+                       "message": "the probe prompt gave other logprobs on the same weights: "
+                                  "nothing can be concluded from a change"}
+            return report
+        for t in chosen:
+            await self.rpc("deltasync_perturb", t["param"])
+            try:
+                moved = await self._probe_logprobs(report) != first
+            finally:
+                await self.rpc("deltasync_restore", t["param"])
+            report["params"].append(t | {"reaches": moved})
+            if not moved:
+                report["failed"].append(t["param"])
+        report["restored"] = await self._probe_logprobs(report) == first
+        bad = []
+        if report["failed"]:
+            bad.append(f"writes into {', '.join(report['failed'])} do not change the output (the engine "
+                       "computes from something else, e.g. a packed copy)")
+        if report["unbound"]:
+            bad.append(f"{', '.join(report['unbound'])} are no longer the parameters this replica writes into")
+        if not report["restored"]:
+            bad.append("writing the old bits back did not restore the output bit for bit")
+        if bad:
+            report |= {"outcome": "failed", "ok": False, "message": "write-through probe: " + "; ".join(bad)}
+        else:
+            report["message"] = (f"writes into all {len(chosen)} of {len(params)} parameters checked reach "
+                                 "the output, and restoring them restores it bit for bit")
+        return report
+
+    def _probe_prompt(self) -> list[int]:
+        vocab = self.engine.vllm_config.model_config.get_vocab_size()
+        rng = random.Random(PROBE_SEED)
+        return [rng.randrange(vocab) for _ in range(PROBE_TOKENS)]
+
+    async def _probe_logprobs(self, report: dict) -> tuple[str, ...]:
+        """The probe prompt's logprobs (every prompt token after the first, then one greedy
+        token's) as exact hex strings; the prefix cache is not read, and the gate not passed."""
+        from vllm import SamplingParams
+
+        ids = self._probe_prompt()
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=0,
+                            skip_reading_prefix_cache=True)
+        final = None
+        async for out in self._raw_generate({"prompt_token_ids": ids}, sp,
+                                            request_id=f"deltasync-probe-{uuid.uuid4().hex}"):
+            final = out
+        assert final is not None and final.prompt_logprobs is not None
+        report["forwards"] += 1
+        c = final.outputs[0]
+        values = [pos[tok].logprob for pos, tok in zip(final.prompt_logprobs[1:], ids[1:])]
+        values.append(c.logprobs[0][c.token_ids[0]].logprob)
+        return tuple(float(v).hex() for v in values)
 
     # ------------------------------------------------------------------ vLLM-style pause
     async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:

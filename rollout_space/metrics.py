@@ -20,12 +20,21 @@ DRAIN_SECONDS = Histogram("deltasync_drain_seconds", "Waiting for in-flight requ
 PAUSE_SECONDS = Histogram("deltasync_apply_pause_seconds", "Generation stopped for the write",
                           buckets=_TIMES)
 APPLY_SECONDS = Histogram("deltasync_apply_seconds", "The write inside the engine", buckets=_TIMES)
-AUDIT_SECONDS = Histogram("deltasync_audit_seconds", "Read-back check after the write", buckets=_TIMES)
+AUDIT_SECONDS = Histogram("deltasync_audit_seconds", "Read-back check after the write: the parameters hold the "
+                          "target bits (not that generation reads them: see deltasync_write_probe_*)",
+                          buckets=_TIMES)
 CHANGED = Counter("deltasync_changed_elements_total", "Elements written by deltas")
 DIGESTS = Counter("deltasync_live_digests_total", "Live state digests computed (GET /weights/digest "
                   "answers the others from its cache)")
 DIGEST_SECONDS = Histogram("deltasync_live_digest_seconds", "One live state digest, in the worker",
                            buckets=_TIMES)
+WRITE_PROBES = Counter("deltasync_write_probes_total", "Write-through probes (a perturbed parameter must move a "
+                       "fixed prompt's logprobs, restoring it must restore them), by outcome: passed, failed, "
+                       "inconclusive (the prompt was not deterministic)", ["outcome"])
+WRITE_PROBE_SECONDS = Histogram("deltasync_write_probe_seconds", "One write-through probe, generation held",
+                                buckets=_TIMES)
+WRITE_PROBE_FAILED = Gauge("deltasync_write_probe_failed_params", "Parameters whose writes did not reach the "
+                           "output in the last write-through probe")
 
 VERSION.set(-1)
 

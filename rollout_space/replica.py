@@ -11,8 +11,22 @@ An update is split so that generation stops only for the write:
 * **commit** (paused): one ``index_copy_`` per (tensor, parameter) pair. Retrying is idempotent;
   an error part-way reverts what was written with one more ``index_copy_`` of the old bits.
 * **audit** (serving again): read the touched tensors back from the engine, in checkpoint
-  coordinates, and compare with the delta's digests; a mismatch means the write did not land
-  where generation reads (e.g. a packed-weight backend) and the caller reverts.
+  coordinates, and compare with the delta's digests; the caller reverts on a mismatch.
+
+What the audit proves, exactly: for every tensor the delta touched, the elements the
+checkpoint->engine map names, read from the parameter objects this rank bound at start-up (and
+which are still the model's registered parameters, on the same storage: :meth:`LiveWeights.unbound`),
+hash to the delta's target digest. So the parameters hold the target bits where the map says.
+What it does not prove: that generation reads those parameters. A backend that computes from a
+copy made at load time (oneDNN's packed CPU weights, a converted or quantized kernel layout, a
+module caching a transposed weight) leaves its copy untouched by an in-place write, and reading
+the parameter back then shows exactly the bits that were written: the audit passes while the
+output is the old model's. Nor does it cover tensors the delta left unchanged (staging compared
+their held digests; ``GET /weights/digest`` reads them all), nor the prefix cache (the engine
+resets it with every write). Whether a write into a parameter reaches the output is what the
+write-through probe checks (:meth:`LiveWeights.perturbation`, ``RolloutEngine.write_probe``): it
+perturbs each parameter through this same write path and requires a fixed prompt's logprobs to
+move, then restores it and requires them back bit for bit.
 
 Anchors and external checkpoints are dense: they go through the model's own ``load_weights``
 and the whole live state digest is checked afterwards.
@@ -30,7 +44,8 @@ import torch
 from shared.apply import Patch, check_base
 from shared.changes import INT_VIEW
 from shared.codec import DeltaFile, Header, TensorChange
-from shared.digest import TORCH_DTYPES, commitment as chain_step, state_digest_from_entries, tensor_digest
+from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
+from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
 
 from .mapping import LiveMap
@@ -230,8 +245,68 @@ class LiveWeights:
         return time.perf_counter() - t0
 
     def audit(self, staged: Staged) -> list[str]:
-        """Touched tensors whose live digest is not the delta's (empty: the write landed)."""
-        return [n for n in staged.touched if self.digest(n) != staged.header.tensors[n].digest]
+        """Touched tensors whose live digest is not the delta's, or whose engine parameter is no
+        longer the model's (empty: the bits landed in the parameters; see the module docstring for
+        what this does not prove)."""
+        unbound = set(self.unbound())
+        bad = []
+        for n in staged.touched:
+            params = {self.live.map.params[p].name for p in self.live.map.tensors[n].param}
+            if params & unbound or self.digest(n) != staged.header.tensors[n].digest:
+                bad.append(n)
+        return bad
+
+    # ------------------------------------------------------------------ write-through probe
+    def unbound(self) -> list[str]:
+        """Engine parameters the map writes into that the model no longer holds as bound at
+        start-up (replaced by another parameter, or its data moved to other storage): writes and
+        reads through the map would miss what the model computes with."""
+        out = []
+        for spec, param, flat in zip(self.live.map.params, self.live.params, self.live.flats):
+            try:
+                now = self.model.get_parameter(spec.name)
+            except AttributeError:
+                out.append(spec.name)
+                continue
+            if now is not param or now.data.data_ptr() != flat.data_ptr():
+                out.append(spec.name)
+        return out
+
+    def probe_targets(self) -> list[dict]:
+        """Engine parameters the map writes into (the ones a delta can change), in map order,
+        with the checkpoint tensors each holds (in the order they sit in it) and how many elements."""
+        out: dict[int, dict] = {}
+        where: dict[int, dict[str, int]] = {}  # param -> checkpoint tensor -> its first offset there
+        for name, t in self.live.map.tensors.items():
+            for p, ps, n in zip(t.param, t.param_start, t.length):
+                e = out.setdefault(p, {"param": self.live.map.params[p].name, "tensors": [], "elements": 0})
+                e["elements"] += n
+                first = where.setdefault(p, {})
+                first[name] = min(ps, first.get(name, ps))
+        for p, e in out.items():
+            e["tensors"] = sorted(where[p], key=where[p].get)
+        return [out[p] for p in sorted(out)]
+
+    def perturbation(self, param: str) -> Patch:
+        """A write through the delta's own path (a :class:`Patch`: ``index_copy_`` of bits into
+        the parameter's storage, undone by one more) that must move the output if the parameter
+        reaches it: every element the map places in ``param`` becomes ``-2 w - m`` (m: mean |w|,
+        1 where all are zero). Not a scale (norms after a projection would cancel it) and not a
+        plain sign flip (zeros, and q/k flipped together, would not show)."""
+        index = next((i for i, s in enumerate(self.live.map.params) if s.name == param), None)
+        if index is None:
+            raise DeltaError("format", f"{param} is not an engine parameter the map writes into")
+        runs = [(ps, n) for t in self.live.map.tensors.values()
+                for q, ps, n in zip(t.param, t.param_start, t.length) if q == index]
+        flat = self.live.flats[index]
+        dest = torch.cat([torch.arange(ps, ps + n, dtype=torch.int64) for ps, n in runs]).to(flat.device)
+        target = _bits(flat)
+        with torch.no_grad():
+            w = flat.index_select(0, dest).float()
+            m = w.abs().mean().item() or 1.0
+            new = _bits((-2.0 * w - m).to(flat.dtype))
+            old = target.index_select(0, dest)
+        return Patch(f"probe:{param}", target, dest, new.contiguous(), old)
 
     # ------------------------------------------------------------------ dense path
     def load_dense(self, files: list[Path], *, version: int, commitment: str, state_digest: str,
@@ -255,6 +330,10 @@ class LiveWeights:
                     self.model.load_weights((n, fh.get_tensor(n)) for n in names
                                             if n in self.live.map.tensors)
         t_load = time.perf_counter() - t0
+        if unbound := self.unbound():  # the loader replaced a parameter: the map reads stale storage
+            self.held = Held(None, "", dict(self.held.digests), self.held.specs)
+            raise DeltaError("digest_mismatch", f"after loading v{version} densely, {unbound[0]} is no "
+                             "longer the parameter this replica writes into")
         digests = self.live_digests([n for n in self.held.specs if n in self.live.map.tensors])
         for n in self.held.specs:
             if n not in digests:

@@ -4,11 +4,12 @@ Generation goes through vLLM's own OpenAI serving classes (so token ids, logprob
 streaming and the real ``openai`` client behave as with ``vllm serve``); each response gains
 ``policy_version`` (and an ``X-Policy-Version`` header), taken from the weight-version spans the
 engine reports for the tokens it generated. Control endpoints: ``POST /update`` (bearer token),
-``GET /version``, ``GET /weights/digest``, ``GET /health``, ``GET /metrics`` and vLLM-style
-``/pause`` ``/resume`` ``/is_paused``.
+``GET /version``, ``GET /weights/digest``, ``GET /health``, ``GET /metrics``, the write-through
+probe (``POST /probe`` with the bearer token runs it, ``GET /probe`` shows the last report) and
+vLLM-style ``/pause`` ``/resume`` ``/is_paused``.
 
 Closed by default: everything that changes or pauses the replica (``/update``, ``/pause``,
-``/resume``) and a forced digest (``/weights/digest?fresh=true``) need the bearer token (compared
+``/resume``, ``/probe``) and a forced digest (``/weights/digest?fresh=true``) need the bearer token (compared
 in constant time, never logged); ``--api-key`` guards ``/v1/*`` as in ``vllm serve``; bodies over
 ``--max-body-bytes`` get 413. None of vLLM's dev-mode routes (``/collective_rpc``, ``/sleep``, ...)
 exist here, whatever ``VLLM_SERVER_DEV_MODE`` says: this app is not built by vLLM's ``build_app``.
@@ -39,11 +40,13 @@ from shared.schemas import (
     VersionResponse,
 )
 
-from .engine import SPANS, RolloutEngine, UpdateRefused, label_of, version_of
+from .engine import SPANS, ProbeBusy, RolloutEngine, UpdateRefused, label_of, version_of
 
 log = logging.getLogger("rollout_space.server")
 
-REFUSAL_STATUS = {"wrong_base": 409, "out_of_order": 409, "missing": 404, "busy": 409, "internal": 500}
+REFUSAL_STATUS = {"wrong_base": 409, "out_of_order": 409, "missing": 404, "busy": 409, "internal": 500,
+                  "write_through": 503}
+PROBE_SUMMARY = ("outcome", "why", "version", "covered", "checked", "failed", "seconds", "message")
 
 
 def policy_fields(spans: list[list[tuple[str, int, int]]], fallback: str) -> dict:
@@ -109,8 +112,8 @@ def create_app(args: Namespace) -> FastAPI:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         if replica.state.status == "damaged":
-            return JSONResponse({"error": {"message": "replica holds weights of no version; "
-                                           "re-syncing", "code": 503}}, status_code=503)
+            why = replica.state.damage or "replica holds weights of no version"
+            return JSONResponse({"error": {"message": f"replica damaged: {why}", "code": 503}}, status_code=503)
         try:
             body = await raw_request.json()
             request = (CompletionRequest if kind == "completion" else ChatCompletionRequest) \
@@ -191,10 +194,35 @@ def create_app(args: Namespace) -> FastAPI:
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
+        """``VersionResponse`` plus ``damage`` (why, when damaged) and ``write_probe`` (the last
+        write-through probe's summary, or None)."""
         s = replica.state
-        return VersionResponse(version=s.version, commitment=s.commitment, state_digest=s.state_digest,
+        body = VersionResponse(version=s.version, commitment=s.commitment, state_digest=s.state_digest,
                                status=s.status, model=args.model, store=args.store,  # type: ignore[arg-type]
-                               latest_seen=s.latest_seen)
+                               latest_seen=s.latest_seen).model_dump()
+        report = replica.write_probe_report
+        body |= {"damage": s.damage,
+                 "write_probe": {k: report[k] for k in PROBE_SUMMARY if k in report} if report else None}
+        return JSONResponse(body)
+
+    @app.get("/probe")
+    async def last_probe():
+        """The last write-through probe's full report (per parameter: checkpoint tensors, elements,
+        whether its write reached the output); 404 before any ran."""
+        if replica.write_probe_report is None:
+            return JSONResponse({"detail": "no write-through probe has run"}, status_code=404)
+        return JSONResponse(replica.write_probe_report)
+
+    @app.post("/probe", dependencies=[Auth])
+    async def run_probe():
+        """Run the write-through probe now, holding generation (new requests wait, running ones
+        finish first). 200: passed; 503: failed (the replica is now damaged) or could not conclude;
+        409: generation is paused or requests did not end."""
+        try:
+            report = await replica.write_probe("request")
+        except ProbeBusy as e:
+            return JSONResponse({"detail": str(e)}, status_code=409)
+        return JSONResponse(report, status_code=200 if report["ok"] else 503)
 
     @app.get("/weights/digest", response_model=DigestResponse)
     async def weights_digest(request: Request, fresh: Annotated[bool, Query()] = False):

@@ -7,7 +7,12 @@ The engine core runs in its own process, so every argument and result crosses as
 so the engine keeps stepping while it runs; the server polls for the result. Live digests run on
 a second one, tensor by tensor, so that neither a stage nor a paused write waits for a whole
 digest (see ``_job_digest``). Only ``deltasync_commit`` / ``deltasync_revert`` / ``deltasync_load``
-write weights, and the server calls them while generation is paused.
+write weights for a version, and the server calls them while generation is paused;
+``deltasync_perturb`` / ``deltasync_restore`` write the write-through probe's perturbation (and
+the old bits back) while the server holds generation (see ``RolloutEngine.write_probe``).
+
+The audit (``_job_audit``) proves that the written parameters hold the target bits, not that
+generation computes from them: see :mod:`rollout_space.replica` for exactly what each check proves.
 
 Importing this module installs :func:`rollout_space.cpu_weights.keep_plain_cpu_weights`, which
 must happen before the model is loaded; vLLM imports worker extensions at worker start.
@@ -21,14 +26,15 @@ import logging
 import os
 import threading
 import time
-from contextlib import nullcontext
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shared.apply import Patch
 from shared.checkpoint import checkpoint_files, tied_aliases
 from shared.codec import DeltaFile
 from shared.digest import tensor_digest
@@ -66,6 +72,7 @@ class _State:
         self.ids = itertools.count(1)
         self.lock = threading.Lock()  # weights are written only under it
         self.writes = 0  # bumped under ``lock`` by every write (and by adopt): a digest pass restarts
+        self.perturbed: dict[str, Patch] = {}  # write-through probe: parameter -> its perturbation
 
 
 class DeltaWorkerExtension:
@@ -200,6 +207,8 @@ class DeltaWorkerExtension:
             return _err(e)
 
     def _job_audit(self, job: str, stage: str) -> str:
+        """Read the touched tensors back (``LiveWeights.audit``): the parameters hold the delta's
+        bits. It cannot see a backend that computes from a copy of them; the write probe can."""
         try:
             st = self._ds()
             staged = st.staged[stage]
@@ -317,6 +326,54 @@ class DeltaWorkerExtension:
             return _ok(version=a["version"])
         except BaseException as e:  # noqa: BLE001
             return _err(e)
+
+    # ------------------------------------------------------------------ write-through probe
+    def deltasync_probe_targets(self) -> str:
+        """The engine parameters a delta can write into (``LiveWeights.probe_targets``), and any
+        the model no longer holds as bound at start-up."""
+        try:
+            w = self._ds().weights
+            return _ok(params=w.probe_targets(), unbound=w.unbound())
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def deltasync_perturb(self, param: str) -> str:
+        """Write the probe's perturbation into one parameter, through a delta's write path."""
+        try:
+            st = self._ds()
+            with st.lock:
+                if st.perturbed:
+                    raise RuntimeError(f"{next(iter(st.perturbed))} is still perturbed")
+                patch = st.weights.perturbation(param)
+                st.writes += 1
+                with torch.no_grad():
+                    patch.apply()
+                st.perturbed[param] = patch
+                self._ds_sync(patch)
+            return _ok(param=param, elements=int(patch.positions.numel()))
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def deltasync_restore(self, param: str) -> str:
+        """Write the old bits back (one more ``index_copy_``) and read them back."""
+        try:
+            st = self._ds()
+            with st.lock:
+                patch = st.perturbed.pop(param)
+                st.writes += 1
+                with torch.no_grad():
+                    patch.revert()
+                self._ds_sync(patch)
+                if not torch.equal(patch.target.index_select(0, patch.positions), patch.old):
+                    raise DeltaError("digest_mismatch", f"{param} reads back other bits after restoring")
+            return _ok(param=param)
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    @staticmethod
+    def _ds_sync(patch: Patch) -> None:
+        if patch.target.is_cuda:
+            torch.cuda.synchronize()  # the probe's next forward must see the write
 
     def deltasync_held(self) -> str:
         h = self._ds().weights.held
