@@ -452,11 +452,11 @@ class RolloutEngine:
                  s.download_s * 1e3, s.stage_s * 1e3, s.drain_s * 1e3, s.pause_s * 1e3, s.commit_s * 1e3,
                  s.audit_s * 1e3)
 
-    async def _damaged(self, why: str) -> None:
+    async def _damaged(self, why: str, until: str = "a re-sync") -> None:
         """The live weights are of no known version, or the engine's label or cache may not match
         them: say so (generation is refused, responses name no version) before generation resumes.
         A later update re-syncs from an anchor."""
-        log.error("replica damaged: %s; refusing generation until a re-sync", why)
+        log.error("replica damaged: %s; refusing generation until %s", why, until)
         self.state.status = "damaged"
         self.state.damage = why
         self.state.version, self.state.commitment, self.state.state_digest = None, "", ""
@@ -618,9 +618,11 @@ class RolloutEngine:
             held = self.serving
             if held:
                 await self._hold_generation()
+            t_held = time.perf_counter()
             self.weight_writes += 1  # no digest computed meanwhile may be kept
             try:
                 report = await self._probe_params(why)
+                report["held_s"] = t_held - t0
             except BaseException as e:
                 await self._damaged(f"write-through probe ({why}) failed to run: {type(e).__name__}: {e}")
                 raise
@@ -638,11 +640,13 @@ class RolloutEngine:
         metrics.WRITE_PROBE_FAILED.set(len(report["failed"]))
         if report["outcome"] == "failed":
             self.write_through_failure = report["message"]
-            await self._damaged(report["message"])
+            await self._damaged(report["message"], until="a restart with weights generation reads")
         elif report["outcome"] == "inconclusive":
             log.warning("write-through probe (%s): %s", why, report["message"])
         else:
-            log.info("write-through probe (%s): %s in %.2fs", why, report["message"], report["seconds"])
+            log.info("write-through probe (%s): %s in %.2fs (%d forwards, the first %.2fs; held %.2fs)", why,
+                     report["message"], report["seconds"], report["forwards"], report["first_forward_s"],
+                     report["held_s"])
         return report
 
     async def _hold_generation(self) -> None:
@@ -663,7 +667,9 @@ class RolloutEngine:
                   "covered": len(params), "checked": len(chosen), "failed": [], "unbound": targets["unbound"],
                   "deterministic": True, "restored": True, "forwards": 0, "prompt_tokens": PROBE_TOKENS,
                   "params": []}
+        a = time.perf_counter()
         first = await self._probe_logprobs(report)
+        report["first_forward_s"] = time.perf_counter() - a  # at start-up, the engine's warm-up
         if await self._probe_logprobs(report) != first:
             report |= {"outcome": "inconclusive", "ok": False, "deterministic": False,
                        "message": "the probe prompt gave other logprobs on the same weights: "

@@ -10,6 +10,7 @@ serve; and that on the normal path the probe passes and leaves the weights bit-e
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -81,6 +82,48 @@ def probe_metric(s: Server, outcome: str) -> float:
     return 0.0
 
 
+def probe_while_generating(s: Server, clients: int = 3) -> tuple[httpx.Response, dict]:
+    """``POST /probe`` while ``clients`` threads send greedy completions back to back; returns its
+    answer and what the clients got, counting requests that were sent before the probe answered
+    and answered after it was sent."""
+    stop, lock = threading.Event(), threading.Condition()
+    served: dict = {"tokens": [], "statuses": set(), "overlapping": 0, "done": 0}
+    probe = {"sent": False, "answered": False}
+
+    def client() -> None:
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                sent_before_answer = not probe["answered"]
+                r = c.post(s.url + "/v1/completions", json={"model": s.model, "prompt": "The quick brown",
+                                                            "max_tokens": 8, "temperature": 0,
+                                                            "return_token_ids": True})
+                with lock:
+                    served["statuses"].add(r.status_code)
+                    if r.status_code == 200:
+                        served["tokens"].append(r.json()["choices"][0]["token_ids"])
+                    served["overlapping"] += sent_before_answer and probe["sent"]
+                    served["done"] += 1
+                    lock.notify_all()
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        with lock:  # generation is under way before the probe is asked for
+            assert lock.wait_for(lambda: served["done"] >= clients, timeout=120)
+        probe["sent"] = True
+        r = s.post("/probe", headers=AUTH)
+        probe["answered"] = True
+        with lock:  # and goes on after it
+            n = served["done"]
+            assert lock.wait_for(lambda: served["done"] >= n + clients, timeout=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    return r, served
+
+
 def live_digest(s: Server) -> str:
     r = s.get("/weights/digest", params={"fresh": "true"}, headers=AUTH)
     assert r.status_code == 200, r.text
@@ -103,10 +146,17 @@ def test_probe_passes_on_the_normal_path(tiny_model_dir: Path, tmp_path: Path, t
 
         before = s.complete()["choices"][0]["logprobs"]["token_logprobs"]
         assert s.post("/probe").status_code == 401  # runs only with the bearer token
-        r = s.post("/probe", headers=AUTH)
+        r, served = probe_while_generating(s)
         assert r.status_code == 200, r.text
         assert r.json()["outcome"] == "passed" and r.json()["why"] == "request"
         assert probe_metric(s, "passed") == 2.0 and probe_metric(s, "failed") == 0.0
+        # Generation was held, never served from perturbed weights: requests in flight when the
+        # probe was asked for, and those sent while it ran, all give the unperturbed greedy tokens
+        # (-2w - m in any one parameter changes them; logprobs of batched requests may differ in
+        # the last bits on CPU, token ids do not).
+        tokens = s.complete()["choices"][0]["token_ids"]
+        assert served["overlapping"] >= 1 and served["statuses"] == {200}
+        assert served["tokens"] == [tokens] * len(served["tokens"])
         # perturbing and restoring every parameter left the weights and the output exact
         assert live_digest(s) == trainer.publisher.state_digest
         assert s.complete()["choices"][0]["logprobs"]["token_logprobs"] == before
