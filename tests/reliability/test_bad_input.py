@@ -245,7 +245,7 @@ AUTH_HEADERS = [
     ("wrong token", "Bearer not-the-token"),
     ("token without a scheme", TOKEN),
     ("Basic scheme", f"Basic {TOKEN}"),
-    ("empty bearer", "Bearer "),
+    ("the scheme alone", "Bearer"),
     ("token minus its last character", f"Bearer {TOKEN[:-1]}"),
     ("the token twice", f"Bearer {TOKEN},{TOKEN}"),
     ("a tab for the space", f"Bearer\t{TOKEN}"),
@@ -269,27 +269,30 @@ QUERY_CASES = [
 BAD_COMPLETIONS = [
     ("not JSON", b"{not json"),
     ("a JSON array", b"[1, 2]"),
-    ("no prompt", {}),
     ("an unknown model", {"model": "no-such-model", "prompt": "hi"}),
     ("prompt as a number", {"prompt": 5}),
     ("prompt as an object", {"prompt": {"text": "hi"}}),
-    ("token id outside the vocabulary", {"prompt": [10**6]}),
     ("negative token id", {"prompt": [-5]}),
-    ("max_tokens -1", {"prompt": "hi", "max_tokens": -1}),
-    ("max_tokens 10**9", {"prompt": "hi", "max_tokens": 10**9}),
     ("temperature as text", {"prompt": "hi", "temperature": "hot"}),
-    ("temperature -1", {"prompt": "hi", "temperature": -1}),
-    ("n = 0", {"prompt": "hi", "n": 0}),
-    ("logprobs 1000", {"prompt": "hi", "logprobs": 1000}),
-    ("top_p 7", {"prompt": "hi", "top_p": 7}),
     ("stop as a number", {"prompt": "hi", "stop": 5}),
     ("seed as text", {"prompt": "hi", "seed": "x"}),
     ("invalid UTF-8", b'{"prompt": "\xff\xfe"}'),
 ]
 BAD_CHATS = [
     ("messages as a string", {"messages": "hi"}),
-    ("a message with an unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}),
-    ("a message without content", {"messages": [{"role": "user"}]}),
+    ("a message as a number", {"messages": [5]}),
+]
+# vLLM raises VLLMValidationError / ValueError for these; `vllm serve` maps them to 400
+GENERATION_GAPS = [(f"/v1/completions: {name}", "/v1/completions", body) for name, body in (
+    ("no prompt", {}),
+    ("token id outside the vocabulary", {"prompt": [10**6]}),
+    ("max_tokens -1", {"prompt": "hi", "max_tokens": -1}),
+    ("max_tokens 10**9", {"prompt": "hi", "max_tokens": 10**9}),
+    ("temperature -1", {"prompt": "hi", "temperature": -1}),
+    ("n = 0", {"prompt": "hi", "n": 0}),
+    ("logprobs 1000", {"prompt": "hi", "logprobs": 1000}),
+    ("top_p 7", {"prompt": "hi", "top_p": 7}))] + [
+    ("/v1/chat/completions: messages empty", "/v1/chat/completions", {"messages": []}),
 ]
 
 
@@ -339,6 +342,11 @@ UPDATE_GAPS = [
 UNKNOWN_FIELD_GAP = ("shared/schemas.py UpdateRequest accepts unknown fields (pydantic's default extra='ignore'): "
                      "{'verison': 1} is read as {} and moves the replica to the store's latest version instead of "
                      "being refused with 422")
+GENERATION_GAP = ("rollout_space/server.py create_app registers none of vLLM's exception handlers "
+                  "(vllm serve calls vllm.entrypoints.serve.exception_handling.register.init_exception_handler: "
+                  "VLLMError, ValueError, TypeError, OverflowError -> 400): VLLMValidationError from "
+                  "CompletionRequest.model_validate in generate() (e.g. 'max_tokens must be at least 1, got -1') "
+                  "and a ValueError from the chat template (no messages) escape as HTTP 500 with a traceback")
 CONTENT_TYPE_GAP = ("rollout_space/server.py reads /update and /v1/completions bodies as JSON whatever the "
                     "Content-Type (vllm serve answers 415 Unsupported Media Type)")
 
@@ -394,6 +402,13 @@ def test_generation_requests(rig: Rig, tally):
     cases += [Case(f"/v1/chat/completions: {name}", _generation("/v1/chat/completions", body, model),
                    (400, 404, 422)) for name, body in BAD_CHATS]
     sweep(tally, "rollout /v1 generation: garbage requests", cases, http_check(rig))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "path", "body"), GENERATION_GAPS, ids=[n for n, _, _ in GENERATION_GAPS])
+@pytest.mark.xfail(strict=True, reason=GENERATION_GAP)
+def test_generation_gaps(rig: Rig, tally, name: str, path: str, body):
+    one(tally, "rollout", Case(name, _generation(path, body, rig.server.model), (400, 422)), http_check(rig))
 
 
 # =============================================================================== store objects
