@@ -1,7 +1,10 @@
 """Load during updates (issue 9): a bounded number of concurrent completions, streaming and not,
 plain and chat, against one replica while a trainer publishes versions and notifies it.
 
-No request may fail, and every response (every stream's finishing chunks) must name the
+The publisher announces every other version itself (``mode=wait``: requests in flight finish on
+the old weights); the test asks for the others with ``mode=keep`` (requests in flight freeze and
+go on under the new weights), so some responses span two versions. No request may fail, and
+every response (every stream's finishing chunks) must name the
 version(s) that produced it: versions that were published, no older than the one the replica had
 confirmed when the request was sent, no newer than the newest published when it ended, and, where
 a response spans several, spans that tile its tokens in version order. Each version must serve
@@ -20,7 +23,8 @@ import httpx
 import pytest
 from rollout.chain_helpers import FakeTrainer
 
-from reliability.servers import TOKEN, Server, launch, wait_ready
+from reliability.servers import AUTH, TOKEN, Server, launch, wait_ready
+from shared.publisher import PublishReport
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The quick brown", "Guess the five letter word:", "0 1 2 3"]
@@ -126,7 +130,7 @@ async def send(client: httpx.AsyncClient, model: str, i: int, lo: int, published
             check_stream(out, payloads, body["n"])
         else:
             check_response(out, payloads[0], body["n"], header)
-    except (httpx.HTTPError, ValueError) as e:
+    except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:  # no answer, or a malformed one
         out.error = f"{type(e).__name__}: {e}"
     return out
 
@@ -159,23 +163,28 @@ def check_response(out: Outcome, body: dict, n: int, header: str | None) -> None
 
 
 def check_stream(out: Outcome, payloads: list[dict], n: int) -> None:
-    """Every choice finishes in a chunk that names its version(s)."""
+    """Every choice finishes in a chunk that names its version(s); chunks carry token ids."""
     if out.error:
         return
     finished: list[int] = []
+    tokens = [0] * n
     for p in payloads:
+        for c in p.get("choices", []):
+            tokens[c["index"]] += len(c.get("token_ids") or [])
         ends = [c["index"] for c in p.get("choices", []) if c.get("finish_reason") is not None]
         if ends:
             finished += ends
-            check_labels(out, p, None)
+            # a finishing chunk's spans are those of the choices finished so far, in the order they
+            # finished: only with one choice do they say which tokens are whose
+            check_labels(out, p, {0: tokens[0]} if n == 1 else None)
     if sorted(finished) != list(range(n)):
         out.problems.append(f"choices {sorted(finished)} finished, asked for {n}")
 
 
-async def run_load(server: Server, trainer: FakeTrainer, size: Size) -> list[Outcome]:
-    """Workers keep ``size.concurrency`` requests in flight while the trainer publishes
-    ``size.versions`` versions, each once ``size.per_version`` responses came from the one before."""
-    outcomes: list[Outcome] = []
+async def run_load(server: Server, trainer: FakeTrainer, size: Size, outcomes: list[Outcome]) -> None:
+    """Workers keep ``size.concurrency`` requests in flight (appending to ``outcomes``) while the
+    trainer publishes ``size.versions`` versions, each once ``size.per_version`` responses came
+    from the one before."""
     arrived = asyncio.Condition()
     confirmed = trainer.publisher.version
     publishing = True
@@ -189,13 +198,27 @@ async def run_load(server: Server, trainer: FakeTrainer, size: Size) -> list[Out
             await arrived.wait_for(lambda: sum(o.labels and all(lb == [version] for lb in o.labels)
                                                for o in outcomes) >= size.per_version)
 
-    async def publisher() -> None:
+    def step(announce: bool) -> PublishReport:
+        """One version; the publisher POSTs it to the replica, or (``announce`` false) tells no one."""
+        trainer.publisher.replicas[:] = [server.url] if announce else []
+        return trainer.step().wait(300)
+
+    async def publisher(client: httpx.AsyncClient) -> None:
         nonlocal confirmed, publishing
         try:
-            for _ in range(size.versions):
+            for k in range(size.versions):
                 await served(confirmed)
-                report = await asyncio.to_thread(lambda: trainer.step().wait(300))
-                answer = report.replicas[server.url]
+                # Every other version: the test asks for mode=keep itself, so requests in flight
+                # freeze, then go on under the new weights: their responses span two versions.
+                keep = k % 2 == 1
+                report = await asyncio.to_thread(step, not keep)
+                if keep:
+                    r = await client.post("/update", json={"version": report.version}, params={"mode": "keep"},
+                                          headers=AUTH)
+                    assert r.status_code == 200, r.text
+                    answer = r.json()
+                else:
+                    answer = report.replicas[server.url]
                 assert (answer.get("version"), answer.get("state_digest")) == \
                     (report.version, report.state_digest), answer
                 confirmed = report.version
@@ -214,12 +237,12 @@ async def run_load(server: Server, trainer: FakeTrainer, size: Size) -> list[Out
     async def main() -> None:
         workers = [asyncio.create_task(worker()) for _ in range(size.concurrency)]
         try:
-            await publisher()
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+                await publisher(client)
         finally:
             await asyncio.gather(*workers)
 
     await asyncio.wait_for(main(), size.timeout_s)
-    return outcomes
 
 
 def load_during_updates(tiny_model_dir: Path, tmp_path: Path, size: Size, tally) -> None:
@@ -229,10 +252,9 @@ def load_during_updates(tiny_model_dir: Path, tmp_path: Path, size: Size, tally)
     try:
         trainer.publisher.flush()  # v0: the base model
         server = wait_ready(launch(tiny_model_dir, store, tmp_path / "replica", map_cache=tmp_path / "maps"))
-        trainer.publisher.replicas.append(server.url)
         outcomes: list[Outcome] = []
         try:
-            outcomes = asyncio.run(run_load(server, trainer, size))
+            asyncio.run(run_load(server, trainer, size, outcomes))
         finally:
             for case in sorted({o.case for o in outcomes}):
                 mine = [o for o in outcomes if o.case == case]
@@ -243,6 +265,9 @@ def load_during_updates(tiny_model_dir: Path, tmp_path: Path, size: Size, tally)
         mislabelled = [(o.case, o.problems) for o in outcomes if o.problems]
         assert not mislabelled, f"{len(mislabelled)} of {len(outcomes)} mislabelled: {mislabelled[:5]}"
         assert len(outcomes) >= size.requests
+        # requests in flight at a mode=keep write (always some, under this load) span two versions:
+        # so the span checks above did run
+        assert any(len(lb) > 1 for o in outcomes for lb in o.labels), "no response spans two versions"
         named = {v for o in outcomes for lb in o.labels for v in lb}
         assert named == set(range(size.versions + 1)), sorted(named)
         trainer.publisher.flush()
