@@ -131,7 +131,7 @@ def live_digest(s: Server) -> str:
 
 
 def test_probe_passes_on_the_normal_path(tiny_model_dir: Path, tmp_path: Path, trainer: FakeTrainer):
-    s = wait_ready(launch(tiny_model_dir, str(tmp_path / "bucket"), tmp_path))
+    s = wait_ready(launch(tiny_model_dir, str(tmp_path / "bucket"), tmp_path, "--write-probe", "dense"))
     try:
         v = s.get("/version").json()
         assert v["status"] == "ready" and v["version"] == 0 and v["damage"] == ""
@@ -165,9 +165,23 @@ def test_probe_passes_on_the_normal_path(tiny_model_dir: Path, tmp_path: Path, t
         trainer.publisher.flush()
         r = s.update(report.version)
         assert r.status_code == 200, r.text
-        assert r.json()["state_digest"] == report.state_digest and r.json()["write_probe"] is None
+        assert r.json()["state_digest"] == report.state_digest and r.json()["write_probe"] is None  # a delta
         assert live_digest(s) == report.state_digest
         assert s.complete()["policy_version"] == report.version
+
+        # Steps that change nearly every weight: catching up through the newest anchor is cheaper than
+        # the deltas, so the replica loads it densely while serving, and then (--write-probe dense) probes.
+        trainer.lr = 2e-3
+        reports = [trainer.step() for _ in range(2)]
+        trainer.publisher.flush()
+        r = s.update(reports[-1].version)
+        assert r.status_code == 200, r.text
+        assert [st["kind"] for st in r.json()["steps"]] == ["anchor"]
+        probe = r.json()["write_probe"]
+        assert probe["outcome"] == "passed" and probe["why"] == "dense" and probe["version"] == reports[-1].version
+        assert probe["checked"] == len(expected_params()) and probe["failed"] == []
+        assert live_digest(s) == reports[-1].state_digest
+        assert s.get("/version").json()["write_probe"]["why"] == "dense"
     finally:
         s.stop()
 
