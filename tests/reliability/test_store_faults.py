@@ -357,6 +357,7 @@ def test_an_outage_longer_than_the_retries_fails_the_version_openly_and_the_next
     with injected(tally, "S3 store unreachable past every retry (version fails openly, the next anchors)"):
         with DeltaPublisher(live, uri, dtype=None, policy=POLICY, keep_anchors=1000, retries=1,
                             backoff_s=0.1) as pub:
+            pub.flush()  # v0 landed
             proxy.down()
             for k, t in live.items():
                 t.copy_(wanted[1][k])
