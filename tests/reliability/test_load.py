@@ -42,7 +42,7 @@ class Size:
 
 
 SHORT = Size(requests=48, versions=4, concurrency=6, per_version=3, timeout_s=600)
-LONG = Size(requests=600, versions=24, concurrency=12, per_version=6, timeout_s=3000)
+LONG = Size(requests=2000, versions=60, concurrency=16, per_version=6, timeout_s=3000)
 
 
 @dataclass
