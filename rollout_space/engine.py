@@ -232,8 +232,9 @@ class RolloutEngine:
         generate = self._raw_generate = engine.generate
 
         async def iterate(args, kwargs, spans: list | None):
-            while not self._gate.is_set():  # re-check: the gate may close again before we run
-                await self._gate.wait()
+            await self.wait_open()
+            if self.write_through_failure:  # held at the gate while the probe found the damage
+                raise RuntimeError(f"replica damaged: {self.write_through_failure}")
             self._active += 1
             self._idle.clear()
             try:
@@ -626,6 +627,9 @@ class RolloutEngine:
             try:
                 report = await self._probe_params(why)
                 report["held_s"] = t_held - t0
+                if report["outcome"] == "failed":  # before any held request may pass the gate
+                    self.write_through_failure = report["message"]
+                    await self._damaged(report["message"], until="a restart with weights generation reads")
             except BaseException as e:
                 await self._damaged(f"write-through probe ({why}) failed to run: {type(e).__name__}: {e}")
                 raise
@@ -641,16 +645,18 @@ class RolloutEngine:
         metrics.WRITE_PROBES.labels(outcome=report["outcome"]).inc()
         metrics.WRITE_PROBE_SECONDS.observe(report["seconds"])
         metrics.WRITE_PROBE_FAILED.set(len(report["failed"]))
-        if report["outcome"] == "failed":
-            self.write_through_failure = report["message"]
-            await self._damaged(report["message"], until="a restart with weights generation reads")
-        elif report["outcome"] == "inconclusive":
+        if report["outcome"] == "inconclusive":
             log.warning("write-through probe (%s): %s", why, report["message"])
         else:
             log.info("write-through probe (%s): %s in %.2fs (%d forwards, the first %.2fs; held %.2fs)", why,
                      report["message"], report["seconds"], report["forwards"], report["first_forward_s"],
                      report["held_s"])
         return report
+
+    async def wait_open(self) -> None:
+        """Return when no write-through probe holds generation."""
+        while not self._gate.is_set():  # re-check: the gate may close again before we run
+            await self._gate.wait()
 
     async def _hold_generation(self) -> None:
         """Close the gate to new requests and wait for those in the engine to finish."""

@@ -111,6 +111,7 @@ def create_app(args: Namespace) -> FastAPI:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
+        await replica.wait_open()  # a write-through probe in progress may end in damage
         if replica.state.status == "damaged":
             why = replica.state.damage or "replica holds weights of no version"
             return JSONResponse({"error": {"message": f"replica damaged: {why}", "code": 503}}, status_code=503)

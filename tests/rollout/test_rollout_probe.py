@@ -84,16 +84,17 @@ def probe_metric(s: Server, outcome: str) -> float:
 
 def probe_while_generating(s: Server, clients: int = 3) -> tuple[httpx.Response, dict]:
     """``POST /probe`` while ``clients`` threads send greedy completions back to back; returns its
-    answer and what the clients got, counting requests that were sent before the probe answered
-    and answered after it was sent."""
+    answer and what the clients got: token ids of each 200, every status, the statuses of requests
+    sent after the probe answered, and how many were sent before it answered and answered after it
+    was sent (in flight, or held, while it ran)."""
     stop, lock = threading.Event(), threading.Condition()
-    served: dict = {"tokens": [], "statuses": set(), "overlapping": 0, "done": 0}
+    served: dict = {"tokens": [], "statuses": set(), "after": set(), "after_n": 0, "overlapping": 0, "done": 0}
     probe = {"sent": False, "answered": False}
 
     def client() -> None:
         with httpx.Client(timeout=120) as c:
             while not stop.is_set():
-                sent_before_answer = not probe["answered"]
+                sent_before_answer, sent_after_answer = not probe["answered"], probe["answered"]
                 r = c.post(s.url + "/v1/completions", json={"model": s.model, "prompt": "The quick brown",
                                                             "max_tokens": 8, "temperature": 0,
                                                             "return_token_ids": True})
@@ -102,6 +103,9 @@ def probe_while_generating(s: Server, clients: int = 3) -> tuple[httpx.Response,
                     if r.status_code == 200:
                         served["tokens"].append(r.json()["choices"][0]["token_ids"])
                     served["overlapping"] += sent_before_answer and probe["sent"]
+                    if sent_after_answer:
+                        served["after"].add(r.status_code)
+                        served["after_n"] += 1
                     served["done"] += 1
                     lock.notify_all()
 
@@ -115,8 +119,7 @@ def probe_while_generating(s: Server, clients: int = 3) -> tuple[httpx.Response,
         r = s.post("/probe", headers=AUTH)
         probe["answered"] = True
         with lock:  # and goes on after it
-            n = served["done"]
-            assert lock.wait_for(lambda: served["done"] >= n + clients, timeout=120)
+            assert lock.wait_for(lambda: served["after_n"] >= clients, timeout=120)
     finally:
         stop.set()
         for t in threads:
@@ -155,7 +158,7 @@ def test_probe_passes_on_the_normal_path(tiny_model_dir: Path, tmp_path: Path, t
         # (-2w - m in any one parameter changes them; logprobs of batched requests may differ in
         # the last bits on CPU, token ids do not).
         tokens = s.complete()["choices"][0]["token_ids"]
-        assert served["overlapping"] >= 1 and served["statuses"] == {200}
+        assert served["overlapping"] >= 1 and served["statuses"] == served["after"] == {200}
         assert served["tokens"] == [tokens] * len(served["tokens"])
         # perturbing and restoring every parameter left the weights and the output exact
         assert live_digest(s) == trainer.publisher.state_digest
@@ -225,9 +228,14 @@ def test_audit_passes_a_write_the_output_never_sees_but_the_probe_fails_it(
         assert r.status_code == 200, r.text
         assert r.json()["version"] == report.version and r.json()["state_digest"] == report.state_digest
         assert live_digest(s) == report.state_digest
-        # ... while one layer still computes with the weights of v0
-        r = s.post("/probe", headers=AUTH)
+        # ... while one layer still computes with the weights of v0. Requests in flight when the probe
+        # is asked for finish (200, unperturbed greedy tokens); those that arrive while it runs, and
+        # after, are refused.
+        tokens = s.complete()["choices"][0]["token_ids"]
+        r, served = probe_while_generating(s)
         assert r.status_code == 503, r.text
+        assert served["statuses"] == {200, 503} and served["after"] == {503} and served["overlapping"] >= 1
+        assert served["tokens"] == [tokens] * len(served["tokens"])
         assert r.json()["outcome"] == "failed" and r.json()["failed"] == [f"{PRIVATE}.weight"]
         assert r.json()["version"] == report.version
         v = s.get("/version").json()
