@@ -39,10 +39,11 @@ class Size:
     concurrency: int  # requests in flight at most
     per_version: int  # responses generated on each version alone before the next is published
     timeout_s: float
+    label: str = ""  # tells its rows apart in the reliability table
 
 
 SHORT = Size(requests=48, versions=4, concurrency=6, per_version=3, timeout_s=600)
-LONG = Size(requests=2000, versions=60, concurrency=16, per_version=6, timeout_s=3000)
+LONG = Size(requests=2000, versions=60, concurrency=16, per_version=6, timeout_s=3000, label=" (long run)")
 
 
 @dataclass
@@ -258,8 +259,8 @@ def load_during_updates(tiny_model_dir: Path, tmp_path: Path, size: Size, tally)
         finally:
             for case in sorted({o.case for o in outcomes}):
                 mine = [o for o in outcomes if o.case == case]
-                tally.request(ok=True, case=case, n=sum(o.ok for o in mine))
-                tally.request(ok=False, case=case, n=sum(not o.ok for o in mine))
+                tally.request(ok=True, case=case + size.label, n=sum(o.ok for o in mine))
+                tally.request(ok=False, case=case + size.label, n=sum(not o.ok for o in mine))
         failed = [(o.case, o.error) for o in outcomes if o.error]
         assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed[:5]}"
         mislabelled = [(o.case, o.problems) for o in outcomes if o.problems]
