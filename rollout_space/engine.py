@@ -74,13 +74,6 @@ def _runs_of_deltas(plan: list) -> list[list]:
     return groups
 
 
-class ProbedUpdateResponse(UpdateResponse):
-    """``UpdateResponse`` plus the write-through probe that ran after a dense load while serving
-    (``--write-probe dense``), or None."""
-
-    write_probe: dict | None = None
-
-
 class WriteThroughFailed(Exception):
     """A write into an engine parameter did not reach the output (the message says which)."""
 
@@ -144,7 +137,6 @@ class RolloutEngine:
         self._work = Path(args.work_dir or tempfile.mkdtemp(prefix="rollout-space-"))
         self._work.mkdir(parents=True, exist_ok=True)
         self.timings: dict[str, float] = {}
-        self.last_refused: int | None = None  # the poller does not retry a refused target
         # Live digests: one computation at a time, shared by every caller that asks meanwhile,
         # and the last result kept for as long as the weights it read stay unwritten.
         self.weight_writes = 0  # bumped before and after every write to the live weights
@@ -302,7 +294,6 @@ class RolloutEngine:
     async def update(self, target: int | None = None, mode: PauseMode = "wait") -> UpdateResponse:
         async with self._lock:
             if self.write_through_failure:  # writes would not reach generation: no update can help
-                self.last_refused = target
                 metrics.REFUSED.labels(reason="write_through").inc()
                 resp = self._response(target, [], time.perf_counter())
                 resp.refused = Refusal(reason="write_through", message=self.write_through_failure,
@@ -355,7 +346,6 @@ class RolloutEngine:
             refusal = Refusal(reason="internal", message=f"{type(e).__name__}: {e}", version=target)
         if self.state.status == "updating":
             self.state.status = "ready"
-        self.last_refused = target
         # Re-read the store next time: a refused object may be repaired or re-uploaded.
         self.chain.forget()
         metrics.REFUSED.labels(reason=refusal.reason).inc()
@@ -365,8 +355,8 @@ class RolloutEngine:
         resp.refused, resp.accepted = refusal, False
         raise UpdateRefused(resp)
 
-    def _response(self, target: int | None, steps: list[StepReport], t0: float) -> ProbedUpdateResponse:
-        return ProbedUpdateResponse(version=self.state.version, commitment=self.state.commitment,
+    def _response(self, target: int | None, steps: list[StepReport], t0: float) -> UpdateResponse:
+        return UpdateResponse(version=self.state.version, commitment=self.state.commitment,
                               state_digest=self.state.state_digest, target=target, steps=steps,
                               total_s=time.perf_counter() - t0)
 

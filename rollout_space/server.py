@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from argparse import Namespace
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -46,6 +47,7 @@ log = logging.getLogger("rollout_space.server")
 
 REFUSAL_STATUS = {"wrong_base": 409, "out_of_order": 409, "missing": 404, "busy": 409, "internal": 500,
                   "write_through": 503}
+POLL_RETRY_MAX_S = 60.0  # the longest a poller waits before trying a refused version again
 PROBE_SUMMARY = ("outcome", "why", "version", "covered", "checked", "failed", "seconds", "message")
 
 
@@ -105,31 +107,43 @@ def create_app(args: Namespace) -> FastAPI:
 
     Auth = Depends(authorized)
 
+    async def json_body(request: Request) -> None:
+        """A body in any other media type is refused (415), as ``vllm serve`` does, rather than read
+        as JSON whatever its Content-Type says; an empty ``/update`` body still means "the latest"."""
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media != "application/json" and (media or await request.body()):
+            raise HTTPException(status_code=415, detail=f"Content-Type must be application/json, not {media!r}")
+
+    JSONBody = Depends(json_body)
+
     # ------------------------------------------------------------------ generation
     async def generate(raw_request: Request, kind: str):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.exceptions import VLLMError
 
         await replica.wait_open()  # a write-through probe in progress may end in damage
         if replica.state.status == "damaged":
             why = replica.state.damage or "replica holds weights of no version"
             return JSONResponse({"error": {"message": f"replica damaged: {why}", "code": 503}}, status_code=503)
-        try:
-            body = await raw_request.json()
-            request = (CompletionRequest if kind == "completion" else ChatCompletionRequest) \
-                .model_validate(body)
-        except (ValueError, ValidationError) as e:
-            return JSONResponse({"error": {"message": str(e), "type": "BadRequestError", "code": 400}},
-                                status_code=400)
         spans: list = []
         SPANS.set(spans)
         fallback = label_of(replica.state.version)
         state = raw_request.app.state
-        if kind == "completion":
-            result = await state.openai_serving_completion.create_completion(request, raw_request)
-        else:
-            result = await state.openai_serving_chat.create_chat_completion(request, raw_request)
+        try:
+            body = await raw_request.json()
+            if kind == "completion":
+                request = CompletionRequest.model_validate(body)
+                result = await state.openai_serving_completion.create_completion(request, raw_request)
+            else:
+                request = ChatCompletionRequest.model_validate(body)
+                result = await state.openai_serving_chat.create_chat_completion(request, raw_request)
+        except (VLLMError, ValueError, TypeError, OverflowError) as e:
+            # What vllm serve's exception handlers answer (400 for a bad request, with vLLM's
+            # message), scoped to generation so our own routes keep their error bodies.
+            result = create_error_response(e)
         if isinstance(result, ErrorResponse):
             return JSONResponse(result.model_dump(), status_code=result.error.code)
         if not hasattr(result, "__aiter__"):
@@ -139,11 +153,11 @@ def create_app(args: Namespace) -> FastAPI:
         return StreamingResponse(_annotate_stream(result, spans, fallback), media_type="text/event-stream",
                                  headers={"X-Policy-Version": str(version_of(fallback))})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[JSONBody])
     async def completions(raw_request: Request):
         return await generate(raw_request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[JSONBody])
     async def chat_completions(raw_request: Request):
         return await generate(raw_request, "chat")
 
@@ -170,7 +184,7 @@ def create_app(args: Namespace) -> FastAPI:
         return JSONResponse({"world_size": parallel.world_size_across_dp})
 
     # ------------------------------------------------------------------ weight sync
-    @app.post("/update", dependencies=[Auth], response_model=UpdateResponse)
+    @app.post("/update", dependencies=[Auth, JSONBody], response_model=UpdateResponse)
     async def update(raw_request: Request, wait: Annotated[bool, Query()] = True,
                      mode: Annotated[PauseMode | None, Query()] = None):
         raw = await raw_request.body()
@@ -195,16 +209,11 @@ def create_app(args: Namespace) -> FastAPI:
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
-        """``VersionResponse`` plus ``damage`` (why, when damaged) and ``write_probe`` (the last
-        write-through probe's summary, or None)."""
-        s = replica.state
-        body = VersionResponse(version=s.version, commitment=s.commitment, state_digest=s.state_digest,
-                               status=s.status, model=args.model, store=args.store,  # type: ignore[arg-type]
-                               latest_seen=s.latest_seen).model_dump()
-        report = replica.write_probe_report
-        body |= {"damage": s.damage,
-                 "write_probe": {k: report[k] for k in PROBE_SUMMARY if k in report} if report else None}
-        return JSONResponse(body)
+        s, report = replica.state, replica.write_probe_report
+        return JSONResponse(VersionResponse(
+            version=s.version, commitment=s.commitment, state_digest=s.state_digest, status=s.status,  # type: ignore[arg-type]
+            model=args.model, store=args.store, latest_seen=s.latest_seen, damage=s.damage,
+            write_probe={k: report[k] for k in PROBE_SUMMARY if k in report} if report else None).model_dump())
 
     @app.get("/probe")
     async def last_probe():
@@ -298,7 +307,10 @@ async def _quiet(coro) -> None:
 
 async def _poll(replica: RolloutEngine, every_s: float) -> None:
     """Catch up on versions whose notification never arrived (a replica that was down, a lost
-    POST): reading ``latest.json`` is cheap."""
+    POST): reading ``latest.json`` is cheap. A refused target is tried again after a backoff that
+    doubles up to ``POLL_RETRY_MAX_S``: the store may have been unreachable for a while, or a
+    damaged object re-uploaded; a newer version is tried at once."""
+    refused, retry_in, retry_at = None, every_s, 0.0
     while True:
         await asyncio.sleep(every_s)
         try:
@@ -307,9 +319,16 @@ async def _poll(replica: RolloutEngine, every_s: float) -> None:
                 continue
             replica.state.latest_seen = latest.version
             held = replica.state.version
-            if (held is None or latest.version > held) and latest.version != replica.last_refused \
-                    and not replica._lock.locked():
-                log.info("store has v%d, replica v%s: catching up", latest.version, held)
-                await _quiet(replica.update(latest.version))
+            behind = held is None or latest.version > held
+            if not behind or replica._lock.locked() or (latest.version == refused and time.monotonic() < retry_at):
+                continue
+            log.info("store has v%d, replica v%s: catching up", latest.version, held)
+            try:
+                await replica.update(latest.version)
+                refused, retry_in = None, every_s
+            except UpdateRefused:  # already counted and logged
+                retry_in = retry_in if latest.version == refused else every_s
+                refused, retry_at = latest.version, time.monotonic() + retry_in
+                retry_in = min(2 * retry_in, POLL_RETRY_MAX_S)
         except Exception:  # noqa: BLE001
             log.exception("polling the store failed")

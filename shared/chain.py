@@ -26,10 +26,10 @@ from typing import Literal
 
 import blake3
 import torch
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, ValidationError, field_validator
 
-from .codec import DeltaFile, Header
-from .errors import DeltaError
+from .codec import DeltaFile, Header, read_header
+from .errors import DeltaError, first_line
 from .stores import Store
 
 LATEST = "latest.json"
@@ -121,6 +121,15 @@ def _check(ref: ObjectRef, size: int, digest: str) -> None:
         raise DeltaError("corrupt", f"{ref.key}: {size} bytes that do not match the manifest")
 
 
+def _one_line(e: ValueError) -> str:
+    """A schema error as one line (the field and what is wrong), not pydantic's three."""
+    if isinstance(e, ValidationError) and (errors := e.errors()):
+        where = ".".join(str(p) for p in errors[0]["loc"]) or "the document"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        return f"{where}: {errors[0]['msg']}{more}"
+    return first_line(e)
+
+
 def ref_for(kind: Literal["anchor", "delta"], header: Header, key: str, data: bytes | Path) -> ObjectRef:
     if isinstance(data, bytes):
         size, digest = len(data), blake3.blake3(data).hexdigest()
@@ -146,19 +155,35 @@ class Chain:
 
     # ------------------------------------------------------------------ read
     def latest(self) -> Latest | None:
+        """None for a store with no version yet; a ``latest.json`` that cannot be read is refused."""
         try:
-            return Latest.model_validate_json(self.store.get(LATEST))
+            raw = self.store.get(LATEST)
         except DeltaError:
             return None
+        try:
+            return Latest.model_validate_json(raw)
+        except ValueError as e:
+            raise DeltaError("format", f"{LATEST}: {_one_line(e)}") from None
 
     def manifest(self, version: int, *, refresh: bool = False) -> Manifest:
         if refresh or version not in self._manifests:
+            raw = self.store.get(manifest_key(version))
             try:
-                raw = self.store.get(manifest_key(version))
                 self._manifests[version] = Manifest.model_validate_json(raw)
             except ValueError as e:
-                raise DeltaError("format", f"manifest v{version}: {e}") from None
+                raise DeltaError("format", f"manifest v{version}: {_one_line(e)}") from None
         return self._manifests[version]
+
+    def _agrees(self, ref: ObjectRef, header: Header) -> None:
+        """An object whose bytes match its manifest entry can still hold another version (a
+        manifest written against the wrong file): its header must name what the manifest does."""
+        m = self.manifest(ref.version)
+        said = (header.kind, header.version, header.commitment, header.state_digest)
+        if said != (ref.kind, ref.version, m.commitment, m.state_digest) or (
+                ref.kind == "delta" and header.base_version != ref.base_version):
+            raise DeltaError("corrupt", f"{ref.key} holds {header.kind} v{header.version} (commitment "
+                                        f"{header.commitment[:12]}), not the {ref.kind} of v{ref.version} that "
+                                        f"manifest v{ref.version} names (commitment {m.commitment[:12]})")
 
     def forget(self, version: int | None = None) -> None:
         """Drop cached manifests (one, or all), e.g. after a refused object was re-uploaded."""
@@ -191,7 +216,10 @@ class Chain:
 
     def fetch(self, ref: ObjectRef) -> DeltaFile:
         """Download and check an object against its manifest entry, then parse it."""
-        return DeltaFile.from_bytes(self.fetch_bytes(ref))
+        f = DeltaFile.from_bytes(self.fetch_bytes(ref))
+        with self._checking(ref):
+            self._agrees(ref, f.header)
+        return f
 
     def download(self, ref: ObjectRef, path: str | Path) -> Path:
         """Download an object to a file, checked against its manifest entry without ever holding
@@ -205,6 +233,7 @@ class Chain:
                       else blake3.blake3()).hexdigest()
             try:
                 _check(ref, size, digest)
+                self._agrees(ref, read_header(path))
             except DeltaError:
                 path.unlink(missing_ok=True)
                 raise

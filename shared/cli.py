@@ -319,7 +319,7 @@ def digest(checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="a 
     """Print the state digest of a checkpoint (file or sharded folder)."""
     from .digest import state_digest
 
-    state = load_state(checkpoint)
+    state, _ = _load(checkpoint, "CHECKPOINT")
     sd = state_digest(state)
     if as_json:
         _emit({"checkpoint": str(checkpoint), "state_digest": sd, "tensors": len(state),

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 PauseMode = Literal["wait", "keep", "abort"]
 
 
 class UpdateRequest(BaseModel):
-    """``POST /update``. ``version`` None: the store's latest."""
+    """``POST /update``. ``version`` None: the store's latest. Unknown fields are refused: a typo
+    such as ``verison`` would otherwise read as "the latest" and move the replica."""
 
-    version: int | None = None
+    model_config = ConfigDict(extra="forbid")
+
+    version: int | None = Field(None, ge=0)
     # How requests in flight at the moment of the write are handled: "wait" lets them finish
     # on the old weights (every response then comes from one version), "keep" freezes them and
     # continues them on the new weights (their responses list both versions), "abort" ends them.
@@ -54,6 +57,7 @@ class UpdateResponse(BaseModel):
     refused: Refusal | None = None
     total_s: float = 0.0
     accepted: bool = True  # False when the update was refused
+    write_probe: dict | None = None  # the write-through probe after a dense load (--write-probe dense)
 
 
 class VersionResponse(BaseModel):
@@ -64,6 +68,8 @@ class VersionResponse(BaseModel):
     model: str
     store: str
     latest_seen: int | None = None
+    damage: str = ""  # why, when status is "damaged"
+    write_probe: dict | None = None  # the last write-through probe's summary
 
 
 class DigestResponse(BaseModel):

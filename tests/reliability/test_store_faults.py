@@ -410,8 +410,6 @@ def test_replica_catches_up_by_polling_after_a_store_outage(s3, tally, tiny_mode
 
 @pytest.mark.long
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="rollout_space's poller never retries a target whose update failed, "
-                                       "even for a transient store error (last_refused); see the report")
 def test_replica_retries_a_download_an_outage_cut(s3, tally, tiny_model_dir, tmp_path, map_cache):
     """The store goes away in the middle of the replica's download: once it is back, polling
     must catch up to that same version (no newer version is published to nudge it)."""
