@@ -5,7 +5,11 @@ Cases: real-gradient trajectories (next-token loss on a locally built Qwen3) and
 trajectories with random gradients on LLM-like weights, at RL learning rates. Each case runs in
 a fresh process so its peak memory is its own. Medians over the steps after Adam's first.
 
-    python -m bench.codec [--quick] [--large]
+The encode speed that matters is the time ``DeltaPublisher.publish()`` holds the training loop,
+measured for a bf16 model and, separately, for fp32 master weights (the cast to bf16 included),
+each against a memcpy of the bf16 model's bytes.
+
+    python -m bench.codec [--quick] [--large] [--only 26M,79M]
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import multiprocessing as mp
 from concurrent.futures import ProcessPoolExecutor
 import resource
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -79,14 +84,24 @@ def trajectory(case: Case, model):
 
 def run_case(case: Case) -> dict:
     from shared.apply import commit, prepare
+    from shared.chain import AnchorPolicy
     from shared.checkpoint import module_state
     from shared.codec import DeltaFile, build_delta, encode_state, encode_tensor, save_delta
     from shared.digest import tensor_digest
+    from shared.publisher import DeltaPublisher
 
     torch.set_num_threads(torch.get_num_threads())
     model = build_model(case)
     live = module_state(model)
     snap = {n: t.to(torch.bfloat16) for n, t in live.items()}
+    # what a trainer publishes: a bf16 model (its tensors updated in place each step), and fp32
+    # master weights cast by the publisher; anchors only at genesis, so every step times a delta
+    bf16_model = {n: t.clone() for n, t in snap.items()}
+    stores = [tempfile.TemporaryDirectory(prefix="bench-codec-") for _ in range(2)]
+    publishers = {"bf16": DeltaPublisher(bf16_model, stores[0].name, keep_anchors=10**6,
+                                         policy=AnchorPolicy(catchup_fraction=1e9)),
+                  "fp32": DeltaPublisher(live, stores[1].name, keep_anchors=10**6,
+                                         policy=AnchorPolicy(catchup_fraction=1e9))}
     numel = sum(t.numel() for t in snap.values())
     dense = sum(t.numel() * t.element_size() for t in snap.values())
     dense_file = safetensors.torch.save(snap)
@@ -94,6 +109,15 @@ def run_case(case: Case) -> dict:
     for step, _ in enumerate(tqdm(trajectory(case, model), total=case.steps, desc=case.name, leave=False)):
         new = {n: t.detach().to(torch.bfloat16) for n, t in live.items()}
         base = {n: t.clone() for n, t in snap.items()}
+        for n, t in new.items():
+            bf16_model[n].copy_(t)
+        hold = {}
+        for kind, pub in publishers.items():
+            t0 = time.perf_counter()
+            published = pub.publish()
+            hold[kind] = time.perf_counter() - t0
+            published.wait(600)  # its upload must not run into the timings below
+            assert published.kind == "delta", published.kind
         t0 = time.perf_counter()
         encoded = {n: encode_tensor(n, snap[n], new[n], update=True, digest="0" * 64) for n in new}
         encode_s = time.perf_counter() - t0
@@ -143,6 +167,7 @@ def run_case(case: Case) -> dict:
         flat = {n: target[n].view(-1).view(torch.int16) for n in new}
         vals = {n: new[n].reshape(-1).view(torch.int16)[p] for n, p in positions.items()}
         floor_s = median_time(lambda: [flat[n].index_copy_(0, p, vals[n]) for n, p in positions.items()], 5)
+        assert published.state_digest == header.state_digest  # the publisher's version is this one
         if step == 0:
             continue  # Adam's first step moves every weight by exactly lr: not representative
         steps.append({
@@ -151,10 +176,16 @@ def run_case(case: Case) -> dict:
             "int32_bf16_B_per_change": trl_bytes / max(changed, 1),
             "encode_GBps": dense / encode_s / 1e9, "memcpy_GBps": dense / copy_s / 1e9,
             "encode_vs_memcpy": copy_s / encode_s, "digest_GBps": dense / digest_s / 1e9,
+            "publish_bf16_s": hold["bf16"], "publish_fp32_s": hold["fp32"], "memcpy_s": copy_s,
+            "publish_bf16_vs_memcpy": copy_s / hold["bf16"], "publish_fp32_vs_memcpy": copy_s / hold["fp32"],
             "apply_s": apply_s, "dense_load_s": dense_s, "index_copy_s": floor_s,
             "compact_B_per_change": len(compact) / max(changed, 1),
             "compact_encode_GBps": dense / compact_encode_s / 1e9, "compact_apply_s": compact_apply_s,
         })
+    for pub in publishers.values():
+        pub.close()
+    for store in stores:
+        store.cleanup()
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     return {"case": case.name, "kind": case.kind, "params": numel, "lr": case.lr,
             "steps": len(steps), "median": med, "per_step": steps,
@@ -184,13 +215,15 @@ def cases(quick: bool, large: bool) -> list[Case]:
 
 
 def report(results: list[dict]) -> None:
-    console = Console(width=160)
+    console = Console(width=240)
     size = Table(title="payload: bytes per changed element (medians per step, after Adam's first)")
     for col in ["case", "params", "changed", "dense MB", "int32+bf16 B/chg", "deltasync B/chg",
                 "vs int32+bf16", "vs dense", "compact B/chg", "compact vs int32+bf16"]:
         size.add_column(col, justify="right")
-    speed = Table(title="speed: encode vs memcpy, apply (decode + scatter) vs dense load and index_copy_")
-    for col in ["case", "encode GB/s", "memcpy GB/s", "encode/memcpy", "digest GB/s", "apply ms",
+    speed = Table(title="speed: encode and publish() vs memcpy, apply (decode + scatter) vs dense load and "
+                        "index_copy_")
+    for col in ["case", "encode GB/s", "memcpy GB/s", "encode/memcpy", "publish bf16 ms", "publish fp32 ms",
+                "memcpy/publish bf16", "memcpy/publish fp32", "digest GB/s", "apply ms",
                 "dense load ms", "index_copy_ ms", "apply/index_copy_", "apply/dense",
                 "compact encode GB/s", "compact apply ms", "peak RSS MB"]:
         speed.add_column(col, justify="right")
@@ -202,7 +235,9 @@ def report(results: list[dict]) -> None:
                      f"{m['dense_bytes'] / m['ours_bytes']:.0f}x", f"{m['compact_B_per_change']:.3f}",
                      f"{m['int32_bf16_B_per_change'] / m['compact_B_per_change']:.2f}x")
         speed.add_row(r["case"], f"{m['encode_GBps']:.2f}", f"{m['memcpy_GBps']:.2f}",
-                      f"{m['encode_vs_memcpy']:.2f}x", f"{m['digest_GBps']:.1f}",
+                      f"{m['encode_vs_memcpy']:.2f}x", f"{m['publish_bf16_s'] * 1e3:.1f}",
+                      f"{m['publish_fp32_s'] * 1e3:.1f}", f"{m['publish_bf16_vs_memcpy']:.2f}x",
+                      f"{m['publish_fp32_vs_memcpy']:.2f}x", f"{m['digest_GBps']:.1f}",
                       f"{m['apply_s'] * 1e3:.1f}", f"{m['dense_load_s'] * 1e3:.1f}",
                       f"{m['index_copy_s'] * 1e3:.1f}", f"{m['apply_s'] / m['index_copy_s']:.1f}x",
                       f"{m['apply_s'] / m['dense_load_s']:.2f}x", f"{m['compact_encode_GBps']:.2f}",
@@ -240,9 +275,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one small case (a smoke test)")
     ap.add_argument("--large", action="store_true", help="also an ~800M-parameter case")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only the cases whose names hold one")
     a = ap.parse_args()
     results = []
+    wanted = [w for w in a.only.split(",") if w]
     for case in cases(a.quick, a.large):
+        if wanted and not any(w in case.name for w in wanted):
+            continue
         with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:  # peak RSS per case
             results.append(pool.submit(run_case, case).result())
     report(results)

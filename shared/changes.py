@@ -108,8 +108,16 @@ def map_balanced(fn, items: list, weights: list[int], progress=None) -> list:
             if progress is not None:
                 progress.update(weights[i])
 
-    for _ in tensor_pool().map(run, batches):
-        pass
+    futures = []
+    for i, batch in enumerate(batches):
+        try:
+            futures.append(tensor_pool().submit(run, batch))
+        except RuntimeError:  # the interpreter is exiting (an atexit close()): no new pool tasks
+            for rest in batches[i:]:
+                run(rest)
+            break
+    for f in futures:
+        f.result()
     return out
 
 
@@ -147,8 +155,12 @@ def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
     if any(k > cap for (k, _, _), (_, _, cap) in zip(results, chunks)):
         return None
     if update:
+        from .kernels import copy_at
+
         for k, pos, _ in results:
-            o[pos[:k]] = n[pos[:k]]
+            copy_at(o, n, pos[:k])
+    if len(results) == 1:  # already copied out of the scratch buffers
+        return Changes(results[0][1], results[0][2])
     positions = np.concatenate([pos[:k] for k, pos, _ in results]) if results else np.empty(0, np.int64)
     xor = np.concatenate([x[:k] for k, _, x in results]) if results else np.empty(0, o.dtype)
     return Changes(positions, xor)

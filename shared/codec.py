@@ -39,9 +39,9 @@ import safetensors.torch
 import torch
 from pydantic import BaseModel, ValidationError
 
-from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, find_changes, map_balanced, unsigned_view
+from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, Changes, find_changes, map_balanced, unsigned_view
 from .entropy import (
-    decode_ints,
+    decode_ints_into,
     encode_ints,
     estimate_ints,
     rice_decode,
@@ -153,11 +153,10 @@ def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
     """Gaps between positions as a Rice code (near the entropy when changes are spread out) or
     zstd'd byte planes (better when they cluster), whichever is smaller: decided on the first
     changes when there are many, so only the winner is computed in full."""
-    gaps = np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1)
     if positions.shape[0] > 4 * SAMPLE:
-        rice_wins = len(rice_encode(gaps[:SAMPLE])) <= len(_gap_planes(positions[:SAMPLE])[0])
-        return (rice_encode(gaps), 0, "rice") if rice_wins else (*_gap_planes(positions), "zstd")
-    rice_blob, (zstd_blob, nbytes) = rice_encode(gaps), _gap_planes(positions)
+        rice_wins = len(rice_encode(positions[:SAMPLE], running=True)) <= len(_gap_planes(positions[:SAMPLE])[0])
+        return (rice_encode(positions, running=True), 0, "rice") if rice_wins else (*_gap_planes(positions), "zstd")
+    rice_blob, (zstd_blob, nbytes) = rice_encode(positions, running=True), _gap_planes(positions)
     return (rice_blob, 0, "rice") if len(rice_blob) < len(zstd_blob) else (zstd_blob, nbytes, "zstd")
 
 
@@ -239,8 +238,11 @@ def decode_values(blob, count: int, dtype) -> np.ndarray:
 
 def zigzag(d: np.ndarray) -> np.ndarray:
     """Wrapping differences (unsigned) to small non-negative ints: 0, -1, 1, -2 -> 0, 1, 2, 3."""
-    s = d.view({2: np.int16, 4: np.int32}[d.itemsize]).astype(np.int64)
-    return ((s << 1) ^ (s >> 63)).astype(np.uint64)
+    from . import kernels
+
+    out = np.empty(d.shape[0], dtype=np.uint64)
+    kernels.zigzag(np.ascontiguousarray(d).view({2: np.int16, 4: np.int32}[d.itemsize]), out)
+    return out
 
 
 def unzigzag(z: np.ndarray, dtype) -> np.ndarray:
@@ -277,12 +279,7 @@ def encode_value_bits(mode: str, bits: np.ndarray) -> bytes:
 def decode_value_bits(mode: str, blob, count: int, dtype, coder: str) -> np.ndarray:
     if coder == "zstd":
         return decode_values(blob, count, dtype)
-    ints = decode_ints(blob, count)
-    if mode == "add":
-        return unzigzag(ints, dtype)
-    if count and int(ints.max()) >> (8 * np.dtype(dtype).itemsize):
-        raise DeltaError("corrupt", "value wider than its element")
-    return ints.astype(dtype)
+    return decode_ints_into(blob, np.empty(count, dtype=dtype), zigzag=mode == "add")
 
 
 # --------------------------------------------------------------------------- encode
@@ -326,6 +323,15 @@ def choose_mode(xor: np.ndarray, new: Callable[[int], np.ndarray]) -> str:
     return min(sizes, key=sizes.get)
 
 
+@dataclass
+class DenseChange:
+    """A change too dense for positions (some chunk over the threshold): the XOR of every
+    element, so the new bits alone can be encoded later."""
+
+    xor: np.ndarray
+    count: int
+
+
 def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
                   digest: str | None = None, threads: bool = True, compact: bool = False) -> EncodedTensor:
     """Encode how ``new`` differs from ``old`` (refreshing ``old`` in place if ``update``).
@@ -334,43 +340,83 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
     changes concentrate on small weights, as at RL learning rates), which costs a pass over the
     whole tensor to encode and needs the base to decode.
     """
+    found = detect_tensor(name, old, new, update=update, digest=digest, threads=threads)
+    return encode_found(name, new.contiguous(), found, digest=digest, compact=compact)
+
+
+def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
+                  digest: str | None = None, same_digest: str | None = None,
+                  threads: bool = True) -> EncodedTensor | Changes | DenseChange:
+    """The part of :func:`encode_tensor` that reads ``new``: a bit-view tensor that changed comes
+    back as its :class:`Changes` or :class:`DenseChange`, for :func:`encode_found` to finish from
+    any copy of the new bits (with ``update``, the refreshed ``old``), so a caller may let
+    ``new`` change again meanwhile; every other case comes back encoded. ``same_digest``: the
+    digest of ``old``, used if nothing changed (then it is also ``new``'s)."""
     if old.shape != new.shape or old.dtype != new.dtype:
         raise DeltaError("shape_mismatch", f"{name}: {tuple(old.shape)}/{old.dtype} -> "
                          f"{tuple(new.shape)}/{new.dtype}")
     new = new.contiguous()
-    entry = TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape),
-                        digest=digest or tensor_digest(new))
+
+    def entry() -> TensorEntry:
+        return TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape), digest=digest or tensor_digest(new))
+
     if new.dtype not in INT_VIEW:
         if raw_bytes(old) == raw_bytes(new):
-            return EncodedTensor(entry, {})
+            return EncodedTensor(entry(), {})
         size = new.element_size()
         changed = int((old.reshape(-1).view(torch.uint8).view(-1, size)
                        != new.reshape(-1).view(torch.uint8).view(-1, size)).any(1).sum())
         if update:
             old.copy_(new)
-        entry = entry.model_copy(update={"encoding": "full", "changed": changed})
-        return EncodedTensor(entry, {name: new.clone()})
+        return EncodedTensor(entry().model_copy(update={"encoding": "full", "changed": changed}), {name: new.clone()})
     changes = find_changes(old, new, update=update, threads=threads)
-    o, n = unsigned_view(old), unsigned_view(new)
     if changes is None:  # dense change: send every element
-        xor = o ^ n
-        mode = choose_mode(xor, lambda k: n[:k])
-        enc = sparse_entry(entry, name, None, mode, value_bits(mode, xor, n), int(np.count_nonzero(xor)))
+        xor = unsigned_view(old) ^ unsigned_view(new)
         if update:
             old.copy_(new)
-        return enc
+        return DenseChange(xor, int(np.count_nonzero(xor)))
     if changes.count == 0:
-        return EncodedTensor(entry, {})
-    pos, xor = changes.positions, changes.xor
-    mode = choose_mode(xor, lambda k: n[pos[:k]])
-    bits = xor if mode == "xor" else value_bits(mode, xor, n[pos])
-    enc = sparse_entry(entry, name, pos, mode, bits, changes.count)
-    if compact:
-        base = n.copy()  # the base bits: old ones where changed (``old`` may be updated already)
+        if same_digest is not None and digest is None:
+            digest = same_digest
+        return EncodedTensor(entry(), {})
+    return changes
+
+
+def encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | DenseChange, *,
+                 digest: str | None = None, compact: bool = False) -> EncodedTensor:
+    """What :func:`detect_tensor` found, encoded from the new bits ``new`` alone (the old ones
+    are ``new ^ xor``)."""
+    if isinstance(found, EncodedTensor):
+        return found
+    n = unsigned_view(new)
+    entry = TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape), digest=digest or tensor_digest(new))
+    if isinstance(found, DenseChange):
+        mode = choose_mode(found.xor, lambda k=None: n[:k])
+        return sparse_entry(entry, name, None, mode, value_bits(mode, found.xor, n), found.count)
+    pos, xor = found.positions, found.xor
+
+    def classed() -> bytes:
+        base = n.copy()  # the base bits: old ones where changed
         base[pos] ^= xor
-        classed = encode_positions_classed(pos, base, new.dtype)
-        if len(classed) < enc.blobs[name + POS].numel():
-            enc.blobs[name + POS] = _u8(classed)
+        return encode_positions_classed(pos, base, new.dtype)
+
+    return encode_changes(entry, name, pos, xor, lambda k=None: n[pos[:k]], classed if compact else None)
+
+
+def encode_changes(entry: TensorEntry, name: str, pos: np.ndarray, xor: np.ndarray,
+                   new_at: Callable[..., np.ndarray], classed: Callable[[], bytes] | None = None) -> EncodedTensor:
+    """The sparse case of a tensor from its changes, wherever they were found: the value kind
+    estimated smallest, its blob, the positions' blob and (``classed``: positions coded per
+    exponent class, computed only if asked) the smaller positions coding. ``new_at(k)``: the
+    new bits at the first k changes (all with no argument), gathered only for the kind that
+    needs them."""
+    mode = choose_mode(xor, new_at)
+    bits = xor if mode == "xor" else value_bits(mode, xor, new_at())
+    enc = sparse_entry(entry, name, pos, mode, bits, pos.shape[0])
+    if classed is not None:
+        blob = classed()
+        if len(blob) < enc.blobs[name + POS].numel():
+            enc.blobs[name + POS] = _u8(blob)
             enc.entry.positions, enc.entry.gap_bytes = "classed", 0
             enc.entry.coders = {**enc.entry.coders, POS: "rice"}
     return enc

@@ -47,19 +47,20 @@ def zstd_decompress(blob, size: int) -> bytes:
     return out
 
 
-def _symbols(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+def _symbols(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+    """Symbols, raw-bit counts, total raw bits and the symbols' histogram, in one pass."""
     from . import kernels
 
     sym = np.empty(x.shape[0], dtype=np.int32)
     nraw = np.empty(x.shape[0], dtype=np.uint8)
-    total = kernels.symbolize(x, sym, nraw)
-    return sym, nraw, total
+    counts = np.zeros(ALPHABET, dtype=np.int64)
+    total = kernels.symbolize(x, sym, nraw, counts)
+    return sym, nraw, total, counts
 
 
 def estimate_ints(x: np.ndarray) -> float:
     """Bytes :func:`encode_ints` would take, from the symbols' entropy (no coding)."""
-    sym, _, total = _symbols(np.ascontiguousarray(x, dtype=np.uint64))
-    counts = np.bincount(sym)
+    sym, _, total, counts = _symbols(np.ascontiguousarray(x, dtype=np.uint64))
     p = counts[counts > 0] / max(sym.shape[0], 1)
     return float(-(p * np.log2(p)).sum() * sym.shape[0] + total) / 8 + 12 + 3 * p.shape[0]
 
@@ -78,13 +79,13 @@ def encode_ints(x: np.ndarray) -> bytes:
     from . import kernels
 
     x = np.ascontiguousarray(x, dtype=np.uint64)
-    sym, nraw, total = _symbols(x)
+    sym, nraw, total, counts = _symbols(x)
     raw = np.zeros((total + 7) // 8, dtype=np.uint8)
     kernels.pack_bits(x, nraw, raw)
     code = np.empty(0, dtype=np.uint8)
     freq = np.zeros(ALPHABET, dtype=np.int64)
     if x.shape[0]:
-        freq = quantise(np.bincount(sym, minlength=ALPHABET), kernels.PROB_BITS)
+        freq = quantise(counts, kernels.PROB_BITS)
         buf = np.empty(x.shape[0] * 4 + 16, dtype=np.uint8)  # worst case: 32 bits a symbol
         start = kernels.rans_encode(sym, freq, np.cumsum(freq) - freq, buf)
         code = buf[start:]
@@ -94,6 +95,12 @@ def encode_ints(x: np.ndarray) -> bytes:
 
 
 def decode_ints(blob, count: int) -> np.ndarray:
+    return decode_ints_into(blob, np.empty(count, dtype=np.uint64))
+
+
+def decode_ints_into(blob, out: np.ndarray, zigzag: bool = False) -> np.ndarray:
+    """Decode ``len(out)`` values into the unsigned ``out`` (elements' width: a wider value is
+    damage), or with ``zigzag`` the signed values they zigzag-code, wrapping into ``out``."""
     from . import kernels
 
     blob = memoryview(blob).cast("B")
@@ -103,20 +110,20 @@ def decode_ints(blob, count: int) -> np.ndarray:
         if at + n_table + n_code + n_raw != len(blob):
             raise ValueError("section sizes do not add up")
         freq = np.frombuffer(zstd_decompress(blob[at:at + n_table], 2 * ALPHABET), dtype="<u2").astype(np.int64)
-        out = np.empty(count, dtype=np.uint64)
-        if count == 0:
+        if out.shape[0] == 0:
             return out
         if freq.sum() != 1 << kernels.PROB_BITS:
             raise ValueError("symbol table does not add up")
         at += n_table
         code = np.frombuffer(blob[at:at + n_code], dtype=np.uint8)
         raw = np.frombuffer(blob[at + n_code:], dtype=np.uint8)
-        sym = np.empty(count, dtype=np.int32)
         slot_symbol = np.repeat(np.arange(ALPHABET, dtype=np.int32), freq)
-        if kernels.rans_decode(code, freq, np.cumsum(freq) - freq, slot_symbol, count, sym) < 0:
-            raise ValueError("rANS code runs out")
-        if kernels.unpack_bits(sym, raw, out) < 0:
-            raise ValueError("raw bits run out")
+        status = kernels.rans_decode_values(code, freq, np.cumsum(freq) - freq, slot_symbol, raw, zigzag,
+                                            8 * out.itemsize, out)
+        if status == -1:
+            raise ValueError("the code or its raw bits run out")
+        if status == -2:
+            raise ValueError("value wider than its element")
         return out
     except (ValueError, struct.error) as e:
         raise DeltaError("corrupt", f"entropy-coded blob: {e}") from None
@@ -130,21 +137,28 @@ def decode_ints(blob, count: int) -> np.ndarray:
 # A quotient of RICE_ESCAPE (kernels.py) is followed by the value's 64 raw bits.
 
 
-def rice_encode(x: np.ndarray) -> bytes:
-    """One byte of ``k``, then the codes. ``k`` is the size-minimising Rice parameter."""
+def rice_encode(x: np.ndarray, running: bool = False) -> bytes:
+    """One byte of ``k``, then the codes. ``k`` is the size-minimising Rice parameter.
+
+    With ``running``, ``x`` are sorted int64 positions and the code is of their gaps
+    (``x[i] - x[i-1] - 1``, the first from -1), which are never materialised."""
     from . import kernels
 
-    x = np.ascontiguousarray(x, dtype=np.uint64)
-    s = x[:: max(1, x.shape[0] // 65536)]  # k is chosen on a sample; the code is exact anyway
+    if running:
+        x = np.ascontiguousarray(x, dtype=np.int64)
+        at = np.arange(0, x.shape[0], max(1, x.shape[0] // 65536))
+        s = (x[at] - np.where(at > 0, x[np.maximum(at - 1, 0)], -1) - 1).astype(np.uint64)
+    else:
+        x = np.ascontiguousarray(x, dtype=np.uint64)
+        s = x[:: max(1, x.shape[0] // 65536)]  # k is chosen on a sample; the code is exact anyway
     mean = float(s.mean()) if s.shape[0] else 0.0
     k0 = max(0, int(np.log2(max(mean * 0.69, 1.0))))
     sizes = {k: int(np.minimum(s >> np.uint64(k), kernels.RICE_ESCAPE).sum()) + s.shape[0] * (k + 1)
              for k in range(min(max(0, k0 - 1), 56), min(57, k0 + 2))}
     k = min(sizes, key=sizes.get)
-    q = x >> np.uint64(k)
-    bits = int(np.minimum(q, kernels.RICE_ESCAPE).sum()) + x.shape[0] * (k + 1)
-    out = np.zeros(bits // 8 + 9 * int((q >= kernels.RICE_ESCAPE).sum()) + 2, dtype=np.uint8)
-    n = kernels.rice_pack(x, k, out)
+    bits, escapes = kernels.rice_bits(x, k, running)
+    out = np.zeros(bits // 8 + 9 * escapes + 2, dtype=np.uint8)
+    n = kernels.rice_pack(x, k, out, running)
     return bytes([k]) + out[:n].tobytes()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
 
 @numba.njit(cache=True, nogil=True)
@@ -54,6 +54,14 @@ def scan_changes(old_w, new_w, old_e, new_e, lanes, out_pos, out_xor, offset):  
             out_xor[k] = x
             k += 1
     return k
+
+
+@numba.njit(cache=True, nogil=True)
+def copy_at(dst, src, positions):  # pragma: no cover
+    """``dst[positions] = src[positions]`` without numpy's fancy-indexing temporaries."""
+    for i in range(positions.shape[0]):
+        p = positions[i]
+        dst[p] = src[p]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -130,23 +138,31 @@ RICE_ESCAPE = 40
 
 
 @numba.njit(cache=True, nogil=True)
-def symbolize(x, sym, nraw):  # pragma: no cover
+def symbolize(x, sym, nraw, counts):  # pragma: no cover
+    """Each value's symbol and raw-bit count; ``counts`` (zeroed) gets the symbols' histogram.
+    Returns the total raw bits."""
     total = 0
     for i in range(x.shape[0]):
         v = x[i]
         if v < SMALL:
-            sym[i] = v
+            s = np.int64(v)
             nraw[i] = 0
         else:
-            b = 0
-            t = v
-            while t:
-                b += 1
-                t >>= 1
-            sym[i] = SMALL + 2 * (b - 5) + ((v >> (b - 2)) & 1)
+            b = 64 - leading_zeros(np.uint64(v))
+            s = SMALL + 2 * (b - 5) + np.int64((v >> np.uint64(b - 2)) & np.uint64(1))
             nraw[i] = b - 2
             total += b - 2
+        sym[i] = s
+        counts[s] += 1
     return total
+
+
+@numba.njit(cache=True, nogil=True)
+def zigzag(d, out):  # pragma: no cover
+    """Signed wrapping differences ``d`` (int16/int32 views) to 0, 1, 2, 3 for 0, -1, 1, -2."""
+    for i in range(d.shape[0]):
+        s = np.int64(d[i])
+        out[i] = np.uint64((s << 1) ^ (s >> 63))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -217,12 +233,35 @@ def put_bits(out, n, acc, filled, bits, nbits):  # pragma: no cover
     return n, acc, filled
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _value(x, i, running):  # pragma: no cover
+    """``x[i]``, or with ``running`` the gap before position ``x[i]`` (the first from -1)."""
+    if not running:
+        return np.uint64(x[i])
+    return np.uint64(x[i] - (x[i - 1] if i else -1) - 1)
+
+
 @numba.njit(cache=True, nogil=True)
-def rice_pack(x, k, out):  # pragma: no cover
+def rice_bits(x, k, running):  # pragma: no cover
+    """Bits of the Rice code of ``x`` (gaps of positions with ``running``) and its escapes."""
+    bits, escapes = 0, 0
+    for i in range(x.shape[0]):
+        q = _value(x, i, running) >> np.uint64(k)
+        if q >= RICE_ESCAPE:
+            bits += RICE_ESCAPE + 1 + k
+            escapes += 1
+        else:
+            bits += np.int64(q) + 1 + k
+    return bits, escapes
+
+
+@numba.njit(cache=True, nogil=True)
+def rice_pack(x, k, out, running):  # pragma: no cover
+    """Rice code of ``x``, or with ``running`` of the gaps of the positions ``x``."""
     n, acc, filled = 0, np.uint64(0), 0
     mask = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
     for i in range(x.shape[0]):
-        v = x[i]
+        v = _value(x, i, running)
         q = v >> np.uint64(k)
         if q >= RICE_ESCAPE:  # the escape run of ones, a zero, then all 64 bits
             n, acc, filled = put_bits(out, n, acc, filled, np.uint64((1 << RICE_ESCAPE) - 1), RICE_ESCAPE + 1)
@@ -355,6 +394,57 @@ def rans_decode(code, freq, cum, slot_symbol, count, out):  # pragma: no cover
             x = (x << np.uint64(8)) | np.uint64(code[ptr])
             ptr += 1
     return ptr
+
+
+@numba.njit(cache=True, nogil=True)
+def rans_decode_values(code, freq, cum, slot_symbol, raw, zig, width, out):  # pragma: no cover
+    """:func:`rans_decode`, :func:`unpack_bits` and (``zig``) :func:`unzigzag` in one pass,
+    straight into the element-wide unsigned ``out``: no symbol or 64-bit arrays in between.
+    Returns 0, or -1 if the code or the raw bits run out, -2 if a value is wider than
+    ``width`` bits (damaged input)."""
+    count = out.shape[0]
+    if count == 0:
+        return 0
+    if code.shape[0] < 4:
+        return -1
+    x = np.uint64(0)
+    for j in range(4):
+        x = (x << np.uint64(8)) | np.uint64(code[j])
+    ptr = 4
+    mask = np.uint64((1 << PROB_BITS) - 1)
+    bit = 0
+    limit = raw.shape[0] * 8
+    for i in range(count):
+        slot = x & mask
+        s = slot_symbol[slot]
+        x = np.uint64(freq[s]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(cum[s])
+        while x < np.uint64(RANS_L):
+            if ptr >= code.shape[0]:
+                return -1
+            x = (x << np.uint64(8)) | np.uint64(code[ptr])
+            ptr += 1
+        if s < SMALL:
+            v = np.uint64(s)
+        else:
+            n = (s - SMALL) // 2 + 3
+            if bit + n > limit:
+                return -1
+            r = np.uint64(0)
+            got = 0
+            while got < n:
+                byte = np.uint64(raw[bit >> 3]) >> np.uint64(bit & 7)
+                take = min(8 - (bit & 7), n - got)
+                r |= (byte & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
+                got += take
+                bit += take
+            v = ((np.uint64(2) | np.uint64((s - SMALL) & 1)) << np.uint64(n)) | r
+        if zig:
+            out[i] = np.int64(v >> np.uint64(1)) ^ -np.int64(v & np.uint64(1))
+        else:
+            if width < 64 and (v >> np.uint64(width)) != 0:
+                return -2
+            out[i] = v
+    return 0
 
 
 @numba.njit(cache=True, nogil=True)

@@ -1,9 +1,15 @@
 """Trainer side: turn every optimizer step into the next version of a chain in a store.
 
-``DeltaPublisher.publish()`` is called right after ``optimizer.step()``. Detection and encoding
-run synchronously against one bf16 snapshot (the weights may change again as soon as it returns);
-uploading and moving ``latest`` run in one background thread behind a bounded queue, strictly in
-version order, so training only waits when uploads fall behind. Each replica is notified by a
+``DeltaPublisher.publish()`` is called right after ``optimizer.step()``. It holds the training
+loop only for change detection, which reads the live weights (they may change again as soon as
+it returns) and refreshes one bf16 snapshot in place. Everything else reads that snapshot alone
+and runs in an encoder thread: digests, entropy coding, the delta file, anchors. The next
+``publish()`` waits for it before touching the snapshot again, so the encoder never sees a
+snapshot in flux; a training step longer than the encoding hides it entirely. The report's
+digests, commitment, kind and size are filled in by the encoder (reading them waits for it), as
+are ``DeltaPublisher.commitment`` and ``state_digest``. Uploading and moving ``latest`` run in
+one background thread behind a bounded queue, strictly in version order, so training only waits
+when uploads fall behind. Each replica is notified by a
 thread of its own, in version order, so a slow or unreachable replica delays neither the uploads
 nor the other replicas; a report is done once its version landed and every replica answered.
 """
@@ -30,20 +36,19 @@ from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_fo
 from .changes import INT_VIEW, Changes, find_changes, map_balanced, unsigned_view
 from .checkpoint import module_state
 from .codec import (
-    POS,
+    DenseChange,
     EncodedTensor,
     Header,
     TensorEntry,
     anchor_header,
     build_delta,
-    choose_mode,
+    detect_tensor,
+    encode_changes,
+    encode_found,
     encode_positions_classed,
-    encode_state,
     encode_tensor,
     save_anchor,
     save_delta,
-    sparse_entry,
-    value_bits,
 )
 from .digest import dtype_name, tensor_digest
 from .errors import DeltaError
@@ -51,6 +56,7 @@ from .lock import WriterLock
 from .stores import Store, open_store
 
 log = logging.getLogger("deltasync.publisher")
+_ENCODED_FIELDS = frozenset({"kind", "payload_bytes", "commitment", "state_digest"})
 
 
 @dataclass
@@ -62,7 +68,7 @@ class PublishReport:
     payload_bytes: int  # delta bytes (what a replica one version behind downloads)
     dense_bytes: int
     int32_bf16_bytes: int  # the TRL prototype format's size for the same change
-    encode_s: float
+    encode_s: float  # how long publish() held the training loop
     upload_s: float = 0.0
     notify_s: float = 0.0
     commitment: str = ""
@@ -72,8 +78,17 @@ class PublishReport:
     error: str | None = None  # why the upload failed for good ("failed"), or why it was skipped
     dropped: list[int] = field(default_factory=list)  # versions retention deleted after this one landed
     _done: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    # set once the encoder filled in kind, payload_bytes, commitment and state_digest
+    _encoded: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
     _waiting: int = field(default=0, repr=False, compare=False)  # replicas yet to answer
     _notify_t0: float = field(default=0.0, repr=False, compare=False)
+
+    def __getattribute__(self, name: str):
+        """The fields the encoder fills in wait for it: ``publish()`` returns before they exist,
+        and a caller that reads them right away (a test comparing digests) must get the truth."""
+        if name in _ENCODED_FIELDS:
+            object.__getattribute__(self, "_encoded").wait()
+        return object.__getattribute__(self, name)
 
     @property
     def changed_fraction(self) -> float:
@@ -100,6 +115,16 @@ class PublishReport:
 
 class PublishError(RuntimeError):
     """A version did not land in the store (the chain heals with an anchor at a later version)."""
+
+
+@dataclass
+class _Found:
+    """One version's detection, for the encoder: per tensor its encoding, or its changes still
+    to encode from the snapshot."""
+
+    version: int
+    found: dict[str, EncodedTensor | Changes | DenseChange]
+    report: PublishReport
 
 
 @dataclass
@@ -158,6 +183,7 @@ class DeltaPublisher:
         self.reports: list[PublishReport] = []
         self._snapshot = {n: self._cast(t).clone() for n, t in self._live().items()}
         self._device_snapshot: dict[str, torch.Tensor] = {}  # name -> bf16 copy where the weights live
+        self._cast_buffers: dict[str, torch.Tensor] = {}  # name -> bf16 cast of fp32 host weights
         self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
         self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
         self._since_anchor_bytes, self._since_anchor = 0, 0
@@ -173,9 +199,16 @@ class DeltaPublisher:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._worker = threading.Thread(target=self._run, name="deltasync-upload", daemon=True)
         self._worker.start()
+        # the encoder: one version at a time, and publish() waits for it before detecting again
+        self._encode_queue: queue.Queue[_Found | None] = queue.Queue()
+        self._encoder_idle = threading.Event()
+        self._encoder_idle.set()
+        self._encode_error: BaseException | None = None
+        self._encoder = threading.Thread(target=self._encode_run, name="deltasync-encode", daemon=True)
+        self._encoder.start()
         atexit.register(_close_at_exit, weakref.ref(self))
         try:
-            self.version, self.commitment = self._genesis(external_base)
+            self.version, self._commitment = self._genesis(external_base)
         except BaseException:
             self.close()
             raise
@@ -198,45 +231,41 @@ class DeltaPublisher:
             missing, extra = self._snapshot.keys() - live.keys(), live.keys() - self._snapshot.keys()
             raise ValueError(f"publish() needs the same tensors every version: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(extra)[:5]}")
+        self._wait_encoder()  # the snapshot is the encoder's until it is done with the last version
+        names = sorted(self._snapshot)
+        sizes = [self._snapshot[n].numel() * self._snapshot[n].element_size() for n in names]
         with torch.no_grad():
             if self.detect == "numba" or (self.detect == "auto" and all(t.device.type == "cpu" for t in live.values())):
-                encoded = encode_state(self._snapshot, lambda n: self._cast(live[n]), update=True,
-                                       compact=self.compact)
+                found = map_balanced(lambda n: self._detect_host(n, live[n]), names, sizes)
             else:
-                names = sorted(self._snapshot)
-                sizes = [self._snapshot[n].numel() * self._snapshot[n].element_size() for n in names]
-                encoded = dict(zip(names, map_balanced(lambda n: self._encode_where(n, live[n]), names, sizes)))
-        self._digests.update({n: e.entry.digest for n, e in encoded.items()})
-        header, tensors = build_delta(encoded, version=version, base_version=self.version,
-                                      base_commitment=self.commitment,
-                                      base_state_digest=self.state_digest)
-        delta = save_delta(header, tensors)
-        changed = header.changed
-        report = PublishReport(version=version, kind="delta", changed=changed, numel=header.numel,
-                               payload_bytes=len(delta), dense_bytes=self._dense_bytes,
-                               int32_bf16_bytes=6 * changed, encode_s=0.0,
-                               commitment=header.commitment, state_digest=header.state_digest)
-        objects: dict[str, bytes | Path] = {delta_key(self.version, version): delta}
-        refs = [ref_for("delta", header, delta_key(self.version, version), delta)]
-        self._since_anchor_bytes += len(delta)
-        self._since_anchor += 1
-        tmp = None
-        if self._force_anchor or self.policy.wants_anchor(self._since_anchor_bytes, self._dense_bytes,
-                                                          self._since_anchor):
-            tmp, path, aheader = self._write_anchor(version, self.version, self.commitment)
-            assert aheader.commitment == header.commitment
-            objects[anchor_key(version)] = path
-            refs.append(ref_for("anchor", aheader, anchor_key(version), path))
-            report.kind = "delta+anchor"
-            self._since_anchor_bytes, self._since_anchor, self._force_anchor = 0, 0, False
+                found = map_balanced(lambda n: self._encode_where(n, live[n]), names, sizes)
+        changed = sum(f.entry.changed if isinstance(f, EncodedTensor) else f.count for f in found)
+        report = PublishReport(version=version, kind="delta", changed=changed,
+                               numel=sum(self._snapshot[n].numel() for n in names), payload_bytes=0,
+                               dense_bytes=self._dense_bytes, int32_bf16_bytes=6 * changed, encode_s=0.0)
+        self.version = version
+        self._encoder_idle.clear()
+        self._encode_queue.put(_Found(version, dict(zip(names, found)), report))
         report.encode_s = time.perf_counter() - t0
-        self.version, self.commitment, self.state_digest = version, header.commitment, header.state_digest
-        self._put(_Job(header, objects, refs, report, tmp))
         return report
+
+    @property
+    def commitment(self) -> str:
+        """The newest version's commitment (waits for its encoding)."""
+        self._wait_encoder(raise_error=False)
+        return self._commitment
+
+    @property
+    def state_digest(self) -> str:
+        """The newest version's state digest (waits for its encoding)."""
+        self._wait_encoder(raise_error=False)
+        return self._state_digest
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued version is uploaded and announced."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._encoder_idle.wait(timeout):
+            raise TimeoutError("encoding still pending")
         while self._queue.unfinished_tasks or self._announcing:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("uploads still pending")
@@ -244,14 +273,16 @@ class DeltaPublisher:
 
     @property
     def pending(self) -> int:
-        """Versions queued or uploading."""
-        return self._queue.unfinished_tasks
+        """Versions being encoded, queued or uploading."""
+        return self._queue.unfinished_tasks + (not self._encoder_idle.is_set())
 
     def close(self) -> None:
         """Upload what is queued, stop the upload thread and release the store. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._encode_queue.put(None)  # encodes (and queues the upload of) the last version first
+        self._encoder.join()
         self._queue.put(None)
         self._worker.join()
         for n in list(self._notifiers.values()):  # after the last version was handed to them
@@ -275,6 +306,76 @@ class DeltaPublisher:
         if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
             t = t.to(self.dtype)
         return (t.cpu() if host else t).contiguous()
+
+    def _detect_host(self, name: str, live: torch.Tensor) -> EncodedTensor | Changes | DenseChange:
+        """One host tensor's change against the snapshot, which it refreshes in place."""
+        return detect_tensor(name, self._snapshot[name], self._cast_reused(name, live), update=True,
+                             threads=False, same_digest=self._digests[name])
+
+    def _cast_reused(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``_cast`` into a buffer kept per tensor: a fresh model-sized cast every version costs a
+        page fault per 4 KiB (slow in a VM), and its bits are only compared, never kept."""
+        t = t.detach()
+        if self.dtype is None or not t.is_floating_point() or t.dtype == self.dtype or t.device.type != "cpu":
+            return self._cast(t)
+        buf = self._cast_buffers.get(name)
+        if buf is None or buf.shape != t.shape:
+            buf = self._cast_buffers[name] = torch.empty(t.shape, dtype=self.dtype)
+        return buf.copy_(t)
+
+    def _wait_encoder(self, raise_error: bool = True) -> None:
+        self._encoder_idle.wait()
+        if raise_error and self._encode_error is not None:
+            raise RuntimeError(f"a version could not be encoded, so this publisher cannot go on: "
+                               f"{self._encode_error!r}") from self._encode_error
+
+    def _encode_run(self) -> None:
+        while (job := self._encode_queue.get()) is not None:
+            try:
+                upload = self._encode(job)
+            except BaseException as e:  # kept for the next publish() to raise
+                log.exception("encoding v%d failed", job.version)
+                self._encode_error = e
+                job.report.kind, job.report.error = "failed", f"encoding failed: {e!r}"
+                self.errors.append(f"v{job.version}: {job.report.error}")
+                job.report._encoded.set()
+                self._finish(job.report)
+                self._encoder_idle.set()
+                continue
+            job.report._encoded.set()
+            self._encoder_idle.set()  # the snapshot is free: the next publish() may detect
+            self._put(upload)  # blocks while uploads are behind by queue_size versions
+
+    def _encode(self, job: _Found) -> _Job:
+        """Encode one version from the snapshot, build its delta (and an anchor when the policy
+        wants one) and advance the chain's commitment."""
+        names = list(job.found)
+
+        def one(n: str) -> EncodedTensor:
+            return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact)
+
+        encoded = dict(zip(names, map_balanced(one, names, [self._snapshot[n].numel() for n in names])))
+        self._digests.update({n: e.entry.digest for n, e in encoded.items()})
+        version, base_version, report = job.version, job.version - 1, job.report
+        header, tensors = build_delta(encoded, version=version, base_version=base_version,
+                                      base_commitment=self._commitment, base_state_digest=self._state_digest)
+        delta = save_delta(header, tensors)
+        report.payload_bytes, report.commitment, report.state_digest = len(delta), header.commitment, header.state_digest
+        objects: dict[str, bytes | Path] = {delta_key(base_version, version): delta}
+        refs = [ref_for("delta", header, delta_key(base_version, version), delta)]
+        self._since_anchor_bytes += len(delta)
+        self._since_anchor += 1
+        tmp = None
+        if self._force_anchor or self.policy.wants_anchor(self._since_anchor_bytes, self._dense_bytes,
+                                                          self._since_anchor):
+            tmp, path, aheader = self._write_anchor(version, base_version, self._commitment)
+            assert aheader.commitment == header.commitment
+            objects[anchor_key(version)] = path
+            refs.append(ref_for("anchor", aheader, anchor_key(version), path))
+            report.kind = "delta+anchor"
+            self._since_anchor_bytes, self._since_anchor, self._force_anchor = 0, 0, False
+        self._commitment, self._state_digest = header.commitment, header.state_digest
+        return _Job(header, objects, refs, report, tmp)
 
     def _encode_where(self, name: str, live: torch.Tensor) -> EncodedTensor:
         """One tensor's change, found on the device that holds it (the host snapshot follows)."""
@@ -309,14 +410,8 @@ class DeltaPublisher:
         classed = encode_positions_classed(pos, hv, host.dtype) if self.compact else None  # on the base
         hv[pos] = new_at
         entry = TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape), digest=tensor_digest(host))
-        mode = choose_mode(xor, lambda k: new_at[:k])
-        enc = sparse_entry(entry, name, pos, mode, xor if mode == "xor" else value_bits(mode, xor, new_at),
-                           changes.count)
-        if classed is not None and len(classed) < enc.blobs[name + POS].numel():
-            enc.blobs[name + POS] = torch.frombuffer(bytearray(classed), dtype=torch.uint8)
-            enc.entry.positions, enc.entry.gap_bytes = "classed", 0
-            enc.entry.coders = {**enc.entry.coders, POS: "rice"}
-        return enc
+        return encode_changes(entry, name, pos, xor, lambda k=None: new_at[:k],
+                              None if classed is None else lambda: classed)
 
     def _write_anchor(self, version: int, base_version: int | None, base_commitment: str):
         tmp = tempfile.TemporaryDirectory(prefix="deltasync-anchor-")
@@ -328,7 +423,7 @@ class DeltaPublisher:
 
     def _genesis(self, external_base: str | None) -> tuple[int, str]:
         header = anchor_header(self._snapshot, version=0, digests=self._digests)
-        self.state_digest = header.state_digest
+        self._state_digest = header.state_digest
         latest = self.chain.latest()
         if latest is not None:
             m = self.chain.manifest(latest.version)
@@ -345,6 +440,7 @@ class DeltaPublisher:
                                payload_bytes=0, dense_bytes=self._dense_bytes,
                                int32_bf16_bytes=6 * header.numel, encode_s=0.0,
                                commitment=header.commitment, state_digest=header.state_digest)
+        report._encoded.set()
         if external_base:
             ref = ObjectRef(kind="anchor", version=0, external=external_base)
             self._put(_Job(header, {}, [ref], report))
