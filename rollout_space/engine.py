@@ -46,6 +46,7 @@ from typing import Any
 
 from shared.chain import Chain
 from shared.errors import DeltaError
+from shared.lock import process_alive
 from shared.schemas import PauseMode, Refusal, StepReport, UpdateResponse
 from shared.stores import open_store
 
@@ -60,7 +61,7 @@ PROBE_SEED = 20261129  # its token ids: a fixed draw from the vocabulary, the sa
 PROBE_HOLD_S = 120.0  # longest wait for in-flight requests before an on-demand probe is refused
 
 # Per request: the weight-version spans of each finished choice, filled by the wrapped generate.
-SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("deltasync_spans", default=None)
+SPANS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("deltasync_spans", default=None)
 
 
 def _runs_of_deltas(plan: list) -> list[list]:
@@ -80,6 +81,16 @@ class WriteThroughFailed(Exception):
 
 class ProbeBusy(Exception):
     """The write-through probe cannot run now (generation paused by a user, requests did not end)."""
+
+
+def _drop_dead_downloads(work: Path) -> None:
+    """Downloads are named ``<object>-<pid>``; a replica killed mid-update leaves its own behind
+    (an anchor is as large as the model), so a new one removes those whose process is gone."""
+    for f in work.glob("*-*.safetensors"):
+        pid = f.stem.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            log.info("removing %s, left by a replica process that is gone", f.name)
+            f.unlink(missing_ok=True)
 
 
 class UpdateRefused(Exception):
@@ -136,6 +147,7 @@ class RolloutEngine:
         self.write_lock = asyncio.Lock()  # paused sections vs user /pause and /resume
         self._work = Path(args.work_dir or tempfile.mkdtemp(prefix="rollout-space-"))
         self._work.mkdir(parents=True, exist_ok=True)
+        _drop_dead_downloads(self._work)
         self.timings: dict[str, float] = {}
         # Live digests: one computation at a time, shared by every caller that asks meanwhile,
         # and the last result kept for as long as the weights it read stay unwritten.
@@ -223,7 +235,7 @@ class RolloutEngine:
         engine = self.engine
         generate = self._raw_generate = engine.generate
 
-        async def iterate(args, kwargs, spans: list | None):
+        async def iterate(args, kwargs, spans: dict | None):
             await self.wait_open()
             if self.write_through_failure:  # held at the gate while the probe found the damage
                 raise RuntimeError(f"replica damaged: {self.write_through_failure}")
@@ -234,7 +246,7 @@ class RolloutEngine:
                     if spans is not None:
                         for c in out.outputs:
                             if c.finish_reason is not None and c.weight_versions is not None:
-                                spans.append([(s.version, s.start, s.end) for s in c.weight_versions])
+                                spans[c.index] = [(s.version, s.start, s.end) for s in c.weight_versions]
                     yield out
             finally:
                 self._active -= 1

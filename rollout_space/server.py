@@ -51,10 +51,13 @@ POLL_RETRY_MAX_S = 60.0  # the longest a poller waits before trying a refused ve
 PROBE_SUMMARY = ("outcome", "why", "version", "covered", "checked", "failed", "seconds", "message")
 
 
-def policy_fields(spans: list[list[tuple[str, int, int]]], fallback: str) -> dict:
-    """``policy_version`` for a response whose choices produced these spans."""
+def policy_fields(spans: dict[int, list[tuple[str, int, int]]], fallback: str) -> dict:
+    """``policy_version`` for a response whose choices (by index) produced these spans. Spans are
+    listed in choice-index order; in a stream, a chunk lists the choices finished so far, and the
+    last one to finish lists them all."""
+    choices = [spans[i] for i in sorted(spans)]
     labels: list[str] = []
-    for choice in spans:
+    for choice in choices:
         for label, _, _ in choice:
             if label not in labels:
                 labels.append(label)
@@ -65,7 +68,15 @@ def policy_fields(spans: list[list[tuple[str, int, int]]], fallback: str) -> dic
         return {"policy_version": versions[0]}
     return {"policy_version": None, "policy_versions": versions,
             "policy_version_spans": [[{"version": version_of(lb), "start": s, "end": e}
-                                      for lb, s, e in choice] for choice in spans]}
+                                      for lb, s, e in choice] for choice in choices]}
+
+
+def policy_headers(fields: dict) -> dict[str, str]:
+    """``X-Policy-Version: 4``, or for tokens from several versions ``X-Policy-Versions: 4,5`` (never
+    a header a client would read as a version number but is not one)."""
+    if fields["policy_version"] is not None:
+        return {"X-Policy-Version": str(fields["policy_version"])}
+    return {"X-Policy-Versions": ",".join(str(v) for v in fields.get("policy_versions", []))}
 
 
 def create_app(args: Namespace) -> FastAPI:
@@ -128,7 +139,7 @@ def create_app(args: Namespace) -> FastAPI:
         if replica.state.status == "damaged":
             why = replica.state.damage or "replica holds weights of no version"
             return JSONResponse({"error": {"message": f"replica damaged: {why}", "code": 503}}, status_code=503)
-        spans: list = []
+        spans: dict = {}
         SPANS.set(spans)
         fallback = label_of(replica.state.version)
         state = raw_request.app.state
@@ -148,10 +159,9 @@ def create_app(args: Namespace) -> FastAPI:
             return JSONResponse(result.model_dump(), status_code=result.error.code)
         if not hasattr(result, "__aiter__"):
             fields = policy_fields(spans, fallback)
-            return JSONResponse(result.model_dump() | fields,
-                                headers={"X-Policy-Version": str(fields["policy_version"])})
+            return JSONResponse(result.model_dump() | fields, headers=policy_headers(fields))
         return StreamingResponse(_annotate_stream(result, spans, fallback), media_type="text/event-stream",
-                                 headers={"X-Policy-Version": str(version_of(fallback))})
+                                 headers=policy_headers(policy_fields({}, fallback)))
 
     @app.post("/v1/completions", dependencies=[JSONBody])
     async def completions(raw_request: Request):
@@ -284,7 +294,7 @@ def create_app(args: Namespace) -> FastAPI:
     return app
 
 
-async def _annotate_stream(chunks, spans: list, fallback: str):
+async def _annotate_stream(chunks, spans: dict, fallback: str):
     """Pass SSE chunks through; the ones that finish a choice gain ``policy_version``."""
     async for chunk in chunks:
         if chunk.startswith("data: {") and '"finish_reason":null' not in chunk.replace(" ", ""):

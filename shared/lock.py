@@ -44,10 +44,10 @@ class Holder(BaseModel):
     def stale(self) -> bool:
         if time.time() - self.renewed > self.ttl_s:
             return True
-        return self.host == socket.gethostname() and not _alive(self.pid)
+        return self.host == socket.gethostname() and not process_alive(self.pid)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -159,7 +159,7 @@ def check_response(out: Outcome, body: dict, n: int, header: str | None) -> None
     if sorted(c["index"] for c in choices) != list(range(n)):
         out.problems.append(f"{len(choices)} choices, asked for {n}")
     check_labels(out, body, {c["index"]: len(c.get("token_ids") or []) for c in choices})
-    if header != str(body.get("policy_version")):
+    if header != (None if body.get("policy_version") is None else str(body["policy_version"])):
         out.problems.append(f"X-Policy-Version {header} but policy_version {body.get('policy_version')}")
 
 

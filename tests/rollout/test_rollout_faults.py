@@ -167,4 +167,4 @@ def test_a_successful_delta_moves_state_label_and_release_together(tmp_path):
 
 def test_a_damaged_label_is_no_version_not_a_server_error():
     assert version_of("damaged") is None
-    assert policy_fields([[("damaged", 0, 3)]], "4") == {"policy_version": None}
+    assert policy_fields({0: [("damaged", 0, 3)]}, "4") == {"policy_version": None}

@@ -12,7 +12,7 @@ import torch
 
 from rollout_space.mapping import EngineMap, LiveMap, MapError, build_map
 from rollout_space.replica import LiveWeights, genesis_commitment
-from rollout_space.server import policy_fields
+from rollout_space.server import policy_fields, policy_headers
 from shared.codec import DeltaFile, encode_delta
 from shared.digest import SAFETENSORS_DTYPES, state_digest, tensor_digest
 from shared.errors import DeltaError
@@ -142,12 +142,17 @@ def test_refusals_leave_weights_untouched(loaded):
 
 
 def test_policy_fields_single_and_mixed():
-    assert policy_fields([[("4", 0, 8)], [("4", 0, 3)]], "4") == {"policy_version": 4}
-    assert policy_fields([], "base") == {"policy_version": None}
-    mixed = policy_fields([[("4", 0, 5), ("5", 5, 8)]], "5")
+    assert policy_fields({0: [("4", 0, 8)], 1: [("4", 0, 3)]}, "4") == {"policy_version": 4}
+    assert policy_fields({}, "base") == {"policy_version": None}
+    mixed = policy_fields({0: [("4", 0, 5), ("5", 5, 8)]}, "5")
     assert mixed["policy_version"] is None and mixed["policy_versions"] == [4, 5]
     assert mixed["policy_version_spans"] == [[{"version": 4, "start": 0, "end": 5},
                                               {"version": 5, "start": 5, "end": 8}]]
+    assert policy_headers(mixed) == {"X-Policy-Versions": "4,5"}
+    assert policy_headers(policy_fields({}, "4")) == {"X-Policy-Version": "4"}
+    # choices listed by index, whichever finished first (the engine records them as they finish)
+    later_first = policy_fields({1: [("5", 0, 2)], 0: [("4", 0, 1), ("5", 1, 9)]}, "5")
+    assert [[s["end"] for s in c] for c in later_first["policy_version_spans"]] == [[1, 9], [2]]
 
 
 def test_failure_in_the_middle_of_a_commit_is_rolled_back(loaded):
