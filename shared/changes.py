@@ -196,3 +196,32 @@ def _find_changes_torch(old: torch.Tensor, new: torch.Tensor, update: bool,
     narrow = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
     positions = pos.to(narrow).cpu().numpy().astype(np.int64)
     return Changes(positions, xor.cpu().numpy().view(UNSIGNED_NP[iv]))
+
+
+def find_cast_changes(old: torch.Tensor, live: torch.Tensor, *, update: bool = False,
+                      max_fraction: float = 1 / 16) -> Changes | None | bool:
+    """:func:`find_changes` of fp32 host weights cast to bf16 against a bf16 snapshot, without
+    materialising the cast (one pass instead of a cast and a compare). The same per-chunk dense
+    rule (None); False where the fused cast does not apply (NaN or subnormal weights, another
+    dtype or layout): then cast with torch and call :func:`find_changes`."""
+    if (live.dtype != torch.float32 or old.dtype != torch.bfloat16 or live.shape != old.shape
+            or live.device.type != "cpu" or old.device.type != "cpu"
+            or not (live.is_contiguous() and old.is_contiguous())):
+        return False
+    from .kernels import scan_cast_bf16, xor_scatter
+
+    lv, o = live.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32), unsigned_view(old)
+    found = []
+    for start, stop, cap in _chunks(o.shape[0], max_fraction):
+        pos, xor = _scratch(cap, o.dtype)
+        k = scan_cast_bf16(lv[start:stop], o[start:stop], pos, xor, start)
+        if k < 0:
+            return False
+        if k > cap:
+            return None
+        found.append((pos[:k].copy(), xor[:k].copy()))
+    positions = np.concatenate([p for p, _ in found]) if found else np.empty(0, np.int64)
+    xor = np.concatenate([x for _, x in found]) if found else np.empty(0, o.dtype)
+    if update:
+        xor_scatter(o, positions, xor)
+    return Changes(positions, xor)

@@ -57,6 +57,32 @@ def scan_changes(old_w, new_w, old_e, new_e, lanes, out_pos, out_xor, offset):  
 
 
 @numba.njit(cache=True, nogil=True)
+def scan_cast_bf16(live, old, out_pos, out_xor, offset):  # pragma: no cover
+    """:func:`scan_changes` of fp32 ``live`` (uint32 bits) cast to bf16 against bf16 ``old``
+    (uint16 bits), the cast fused in: round to nearest even, exact for every finite normal
+    value, zero and infinity. Returns -1 at the first NaN or subnormal (torch's NaN bits and
+    subnormal handling differ between its CPU code paths, so the caller casts with torch then),
+    more than ``len(out_pos)`` on overflow, else the number of changes."""
+    cap = out_pos.shape[0]
+    k = 0
+    for i in range(live.shape[0]):
+        u = live[i]
+        e = u & np.uint32(0x7F800000)
+        if (e == np.uint32(0x7F800000) and (u & np.uint32(0x007FFFFF)) != 0) or (
+                e == 0 and (u & np.uint32(0x007FFFFF)) != 0):
+            return -1
+        b = np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16))
+        x = old[i] ^ b
+        if x != 0:
+            if k >= cap:
+                return cap + 1
+            out_pos[k] = offset + i
+            out_xor[k] = x
+            k += 1
+    return k
+
+
+@numba.njit(cache=True, nogil=True)
 def copy_at(dst, src, positions):  # pragma: no cover
     """``dst[positions] = src[positions]`` without numpy's fancy-indexing temporaries."""
     for i in range(positions.shape[0]):

@@ -33,7 +33,14 @@ import httpx
 import torch
 
 from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_for
-from .changes import INT_VIEW, Changes, find_changes, map_balanced, unsigned_view
+from .changes import (
+    INT_VIEW,
+    Changes,
+    find_cast_changes,
+    find_changes,
+    map_balanced,
+    unsigned_view,
+)
 from .checkpoint import module_state
 from .codec import (
     DenseChange,
@@ -308,7 +315,16 @@ class DeltaPublisher:
         return (t.cpu() if host else t).contiguous()
 
     def _detect_host(self, name: str, live: torch.Tensor) -> EncodedTensor | Changes | DenseChange:
-        """One host tensor's change against the snapshot, which it refreshes in place."""
+        """One host tensor's change against the snapshot, which it refreshes in place. fp32
+        weights published as bf16 are cast inside the compare where that is exact."""
+        snap = self._snapshot[name]
+        if self.dtype == torch.bfloat16 and live.dtype == torch.float32:
+            found = find_cast_changes(snap, live, update=True)
+            if found is not None and found is not False:
+                if found.count:
+                    return found
+                return EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape),
+                                                 digest=self._digests[name]), {})
         return detect_tensor(name, self._snapshot[name], self._cast_reused(name, live), update=True,
                              threads=False, same_digest=self._digests[name])
 
