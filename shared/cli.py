@@ -167,6 +167,20 @@ def _same_layout(a: Mapping, b: Mapping, a_name: str, b_name: str, hint: str = "
         raise DeltaError("shape_mismatch", f"{diffs[0]}{more}{hint}")
 
 
+@contextmanager
+def _quiet_publisher() -> Iterator[None]:
+    """The publisher's upload failures are reported by the command, in one line; its own log is
+    silenced for the command only (``push`` may run inside another program, e.g. a test)."""
+    logger = logging.getLogger("deltasync.publisher")
+    level = logger.level
+    if not DEBUG:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _load(path: Path, role: str) -> tuple[dict, Header | None]:
     """A checkpoint and, when it is a deltasync anchor, the chain position it records."""
     state = load_state(path)
@@ -363,9 +377,7 @@ def push(store: str = STORE,
         _note(f"{checkpoint}: {len(cast)} of {len(new)} tensors are {kinds}; they are published as "
               "bfloat16 (rounded), which is what replicas serve")
         new = {n: t.to(torch.bfloat16) if n in cast else t for n, t in new.items()}
-    if not DEBUG:  # the publisher's upload failures are reported below, in one line
-        logging.getLogger("deltasync.publisher").setLevel(logging.CRITICAL + 1)
-    with _reaching(store):
+    with _quiet_publisher(), _reaching(store):
         chain = Chain(open_store(store))
         latest = chain.latest()
         state = new
