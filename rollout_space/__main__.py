@@ -138,9 +138,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     from .server import create_app
 
-    app = create_app(args)
-    uvicorn.run(app, host=args.host or "0.0.0.0", port=args.port, log_level="info",
-                timeout_keep_alive=30)
+    config = uvicorn.Config(create_app(args), host=args.host or "0.0.0.0", port=args.port, log_level="info",
+                            timeout_keep_alive=30)
+    # Bound now, before vLLM starts: its engine picks free ports of its own while it loads (minutes
+    # for a large model), and a port taken meanwhile would only be found once the model is loaded.
+    sock = config.bind_socket()
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

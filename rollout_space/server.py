@@ -72,11 +72,11 @@ def policy_fields(spans: dict[int, list[tuple[str, int, int]]], fallback: str) -
 
 
 def policy_headers(fields: dict) -> dict[str, str]:
-    """``X-Policy-Version: 4``, or for tokens from several versions ``X-Policy-Versions: 4,5`` (never
-    a header a client would read as a version number but is not one)."""
-    if fields["policy_version"] is not None:
-        return {"X-Policy-Version": str(fields["policy_version"])}
-    return {"X-Policy-Versions": ",".join(str(v) for v in fields.get("policy_versions", []))}
+    """``X-Policy-Version: 4``, or for tokens from several versions ``X-Policy-Versions: 4,5``, so a
+    client reading ``X-Policy-Version`` as one version number is never handed a list."""
+    if "policy_versions" in fields:
+        return {"X-Policy-Versions": ",".join(str(v) for v in fields["policy_versions"])}
+    return {"X-Policy-Version": str(fields["policy_version"])}  # "None": weights of no chain version
 
 
 def create_app(args: Namespace) -> FastAPI:

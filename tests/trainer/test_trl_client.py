@@ -31,4 +31,5 @@ def test_trl_vllm_client_through_the_relay(services):
                                                              "max_tokens": 4, "return_token_ids": True})
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) >= 1
         assert "policy_version" in r.json() and "x-policy-version" in r.headers  # our fields pass through
-        assert httpx.post(f"{relay.url}/v1/completions", content=b"{").status_code == 400  # errors pass through
+        assert httpx.post(f"{relay.url}/v1/completions", content=b"{",  # errors pass through
+                          headers={"content-type": "application/json"}).status_code == 400
