@@ -226,19 +226,28 @@ def unpack_bits(sym, raw, out):  # pragma: no cover
         if s < SMALL:
             out[i] = s
             continue
-        n = (s - SMALL) // 2 + 3
-        if bit + n > limit:
+        out[i], bit = _escaped_value(s, raw, bit, limit)
+        if bit < 0:
             return -1
-        v = np.uint64(0)
-        got = 0
-        while got < n:
-            byte = np.uint64(raw[bit >> 3]) >> np.uint64(bit & 7)
-            take = min(8 - (bit & 7), n - got)
-            v |= (byte & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
-            got += take
-            bit += take
-        out[i] = ((np.uint64(2) | np.uint64((s - SMALL) & 1)) << np.uint64(n)) | v
     return bit
+
+
+@numba.njit(cache=True, nogil=True)
+def _escaped_value(s, raw, bit, limit):  # pragma: no cover
+    """The value of symbol ``s`` >= SMALL: its implied top bits over ``n`` low bits read from
+    ``raw`` at ``bit``. Returns (value, next bit), or bit -1 if the raw bits run out."""
+    n = (s - SMALL) // 2 + 3
+    if bit + n > limit:
+        return np.uint64(0), -1
+    v = np.uint64(0)
+    got = 0
+    while got < n:
+        byte = np.uint64(raw[bit >> 3]) >> np.uint64(bit & 7)
+        take = min(8 - (bit & 7), n - got)
+        v |= (byte & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
+        got += take
+        bit += take
+    return ((np.uint64(2) | np.uint64((s - SMALL) & 1)) << np.uint64(n)) | v, bit
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -452,18 +461,9 @@ def rans_decode_values(code, freq, cum, slot_symbol, raw, zig, width, out):  # p
         if s < SMALL:
             v = np.uint64(s)
         else:
-            n = (s - SMALL) // 2 + 3
-            if bit + n > limit:
+            v, bit = _escaped_value(s, raw, bit, limit)
+            if bit < 0:
                 return -1
-            r = np.uint64(0)
-            got = 0
-            while got < n:
-                byte = np.uint64(raw[bit >> 3]) >> np.uint64(bit & 7)
-                take = min(8 - (bit & 7), n - got)
-                r |= (byte & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
-                got += take
-                bit += take
-            v = ((np.uint64(2) | np.uint64((s - SMALL) & 1)) << np.uint64(n)) | r
         if zig:
             out[i] = np.int64(v >> np.uint64(1)) ^ -np.int64(v & np.uint64(1))
         else:
