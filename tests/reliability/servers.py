@@ -61,11 +61,12 @@ class Server(Replica):
         return r.json()
 
 
-def launch(model: Path, store: Path, workdir: Path, *extra: str, map_cache: Path,
+def launch(model: Path, store: Path | str, workdir: Path, *extra: str, map_cache: Path | None = None,
            env: Mapping[str, str] | None = None, port: int | None = None) -> Server:
     """Start a server; call :func:`wait_ready` before using it (lets several start at once).
     ``workdir`` holds its downloads (``--work-dir``), log and vLLM cache: a restart on the same
-    ``workdir`` finds what the previous process left there."""
+    ``workdir`` finds what the previous process left there. Maps are cached in ``map_cache``
+    (default: ``maps`` beside ``workdir``), so later servers skip probing."""
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"rollout-{port}.log"
@@ -75,7 +76,7 @@ def launch(model: Path, store: Path, workdir: Path, *extra: str, map_cache: Path
         log = workdir / f"rollout-{port}.{k}.log"
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {"VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), "TOKENIZERS_PARALLELISM": "false",
-                "DELTASYNC_MAP_CACHE": str(map_cache), "PYTHONPATH": pythonpath, **(env or {})}
+                "DELTASYNC_MAP_CACHE": str(map_cache or workdir.parent / "maps"), "PYTHONPATH": pythonpath, **(env or {})}
     return Server(model, store, log_path=log, token=TOKEN, env=full_env, port=port,
                   extra=["--work-dir", str(workdir / "objects"), *ENGINE_ARGS, *extra])
 

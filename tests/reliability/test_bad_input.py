@@ -48,7 +48,7 @@ from shared.errors import DeltaError
 from shared.publisher import DeltaPublisher
 from shared.stores import open_store
 
-from .soak_servers import AUTH, STARTUP_TIMEOUT_S, TOKEN, Server, launch
+from .servers import AUTH, STARTUP_TIMEOUT_S, TOKEN, Server, launch
 
 MAX_BODY = 64 * 1024
 

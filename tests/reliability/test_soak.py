@@ -26,7 +26,7 @@ from shared.errors import DeltaError
 from shared.publisher import DeltaPublisher, PublishReport
 from shared.stores import open_store
 
-from .soak_servers import STARTUP_TIMEOUT_S, Server, launch
+from .servers import STARTUP_TIMEOUT_S, Server, launch
 
 CATCHUP_FRACTION = 0.3  # anchor once a late replica's catch-up passes 30% of an anchor's bytes
 KEEP_ANCHORS = 2
