@@ -273,7 +273,8 @@ class DeltaPublisher:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._encoder_idle.wait(timeout):
             raise TimeoutError("encoding still pending")
-        while self._queue.unfinished_tasks or self._announcing:
+        # encode queue first: its count drops only after the version is in the upload queue
+        while self._encode_queue.unfinished_tasks or self._queue.unfinished_tasks or self._announcing:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("uploads still pending")
             time.sleep(0.01)
@@ -281,7 +282,7 @@ class DeltaPublisher:
     @property
     def pending(self) -> int:
         """Versions being encoded, queued or uploading."""
-        return self._queue.unfinished_tasks + (not self._encoder_idle.is_set())
+        return self._encode_queue.unfinished_tasks + self._queue.unfinished_tasks
 
     def close(self) -> None:
         """Upload what is queued, stop the upload thread and release the store. Idempotent."""
@@ -357,10 +358,12 @@ class DeltaPublisher:
                 job.report._encoded.set()
                 self._finish(job.report)
                 self._encoder_idle.set()
+                self._encode_queue.task_done()
                 continue
             job.report._encoded.set()
             self._encoder_idle.set()  # the snapshot is free: the next publish() may detect
             self._put(upload)  # blocks while uploads are behind by queue_size versions
+            self._encode_queue.task_done()  # only now: flush() must not see a gap between the queues
 
     def _encode(self, job: _Found) -> _Job:
         """Encode one version from the snapshot, build its delta (and an anchor when the policy

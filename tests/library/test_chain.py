@@ -147,8 +147,9 @@ def test_reader_never_sees_a_partial_version(tmp_path):
         guard.cancel()
         writer.kill()
     assert seen == sorted(seen) and len(seen) >= n  # latest never moves back; v0 lands first
-    # the publisher queues at most a few versions ahead of its uploads, so reads follow the writer
-    assert len(set(seen)) > 2 and seen[-1] >= n - 4
+    # reads follow the writer: when publish(v) returns, v-1 may wait in the encoder to be queued,
+    # v-2 and v-3 in the upload queue (queue_size 2) and v-4 be uploading, so latest >= v-5
+    assert len(set(seen)) > 2 and seen[-1] >= n - 5
     assert chain.latest().version == n
     assert reconstruct(Chain(open_store(store_dir)), n)[1].version == n
 
