@@ -17,9 +17,15 @@ a table fitted to the blob) or ``"zstd"`` over byte planes; see :mod:`shared.ent
 
 Tensors of other dtypes that changed are stored whole under their own name (``"full"``).
 The safetensors metadata key ``deltasync`` holds a JSON :class:`Header` (checksummed by
-``deltasync_blake3``): versions, base and target commitments and state digests and, for every tensor,
-its dtype, shape, digest, change count, encoding and coders; ``payload_blake3`` covers every
-blob, so damage anywhere in the file is found before any weight changes.
+``deltasync_blake3``): versions, base and target commitments, state digests and state
+fingerprints and, for every tensor, its dtype, shape, digest, fingerprint, change count, encoding
+and coders; ``payload_blake3`` covers every blob, so damage anywhere in the file is found before
+any weight changes.
+
+Format version 2 added the fingerprints (:mod:`shared.fingerprint`): a tensor's target
+fingerprint follows from its base fingerprint and the old and new bits at the changed positions
+alone, so a replica checks what a write will produce in O(changes), where a blake3 digest needs
+the whole tensor. Version 1 files are refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -59,9 +65,11 @@ from .digest import (
     tensor_digest,
 )
 from .errors import DeltaError
+from .fingerprint import Fingerprint, fingerprint_delta, state_fingerprint, tensor_fingerprint
+from .fingerprint import fingerprints as fingerprints_of
 
 FORMAT = "deltasync"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fingerprints in every entry and the header
 POS, VAL = "::pos", "::val"
 # (shift, mask) of the exponent field in each float dtype's bits: the class of an element
 EXPONENT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F), torch.float32: (23, 0xFF)}
@@ -74,6 +82,7 @@ class TensorEntry(BaseModel):
     dtype: str
     shape: list[int]
     digest: str  # tensor digest of the target
+    fingerprint: str = ""  # tensor fingerprint of the target (format 2: always set)
     changed: int = 0
     encoding: Encoding = "same"
     positions: Literal["gaps", "classed", "all"] | None = None
@@ -95,6 +104,7 @@ class Header(BaseModel):
     base_state_digest: str = ""  # lets a plain checkpoint (no commitment) be checked as the base
     commitment: str
     state_digest: str
+    state_fingerprint: str = ""  # of the target, from the entries' fingerprints (format 2: always set)
     # State digests of the versions a squashed delta skips over, oldest first: the commitment
     # chains through them, so it stays verifiable from the header alone.
     via: list[str] = []
@@ -117,6 +127,11 @@ class Header(BaseModel):
 def entries_digest(entries: Mapping[str, TensorEntry]) -> str:
     """The state digest a header's tensor entries add up to."""
     return state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
+
+
+def entries_fingerprint(entries: Mapping[str, TensorEntry]) -> str:
+    """The state fingerprint a header's tensor entries add up to."""
+    return state_fingerprint({n: (e.dtype, e.shape, e.fingerprint) for n, e in entries.items()})
 
 
 def chain_commitment(base_commitment: str, state_digests: list[str]) -> str:
@@ -333,15 +348,19 @@ class DenseChange:
 
 
 def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
-                  digest: str | None = None, threads: bool = True, compact: bool = False) -> EncodedTensor:
+                  digest: str | None = None, fingerprint: str | None = None,
+                  base_fingerprint: Fingerprint | None = None, threads: bool = True,
+                  compact: bool = False) -> EncodedTensor:
     """Encode how ``new`` differs from ``old`` (refreshing ``old`` in place if ``update``).
 
     ``compact`` also tries positions coded per exponent class of the base element (smaller when
     changes concentrate on small weights, as at RL learning rates), which costs a pass over the
-    whole tensor to encode and needs the base to decode.
+    whole tensor to encode and needs the base to decode. ``fingerprint``/``base_fingerprint``:
+    see :func:`encode_found`.
     """
     found = detect_tensor(name, old, new, update=update, digest=digest, threads=threads)
-    return encode_found(name, new.contiguous(), found, digest=digest, compact=compact)
+    return encode_found(name, new.contiguous(), found, digest=digest, fingerprint=fingerprint,
+                        base_fingerprint=base_fingerprint, compact=compact)
 
 
 def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
@@ -383,9 +402,33 @@ def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
 
 
 def encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | DenseChange, *,
-                 digest: str | None = None, compact: bool = False) -> EncodedTensor:
+                 digest: str | None = None, fingerprint: str | None = None,
+                 base_fingerprint: Fingerprint | None = None, compact: bool = False) -> EncodedTensor:
     """What :func:`detect_tensor` found, encoded from the new bits ``new`` alone (the old ones
-    are ``new ^ xor``)."""
+    are ``new ^ xor``). The entry's fingerprint is ``fingerprint`` when the caller knows it,
+    else ``base_fingerprint`` (the old tensor's) updated at the changed positions, else the
+    whole new tensor's."""
+    enc = _encode_found(name, new, found, digest=digest, compact=compact)
+    if not enc.entry.fingerprint:
+        enc.entry.fingerprint = fingerprint or fingerprint_after(new, found, base_fingerprint).hex()
+    return enc
+
+
+def fingerprint_after(new: torch.Tensor, found: EncodedTensor | Changes | DenseChange,
+                      base: Fingerprint | None) -> Fingerprint:
+    """The new tensor's fingerprint: from the base's in O(changes) where the change is sparse
+    and the base's is known, else from every element."""
+    if base is not None:
+        if isinstance(found, EncodedTensor) and found.entry.encoding == "same":
+            return base
+        if isinstance(found, Changes):
+            new_at = unsigned_view(new)[found.positions]
+            return base + fingerprint_delta(found.positions, new_at ^ found.xor, new_at, new.element_size() * 8)
+    return tensor_fingerprint(new, threads=False)
+
+
+def _encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | DenseChange, *,
+                  digest: str | None, compact: bool) -> EncodedTensor:
     if isinstance(found, EncodedTensor):
         return found
     n = unsigned_view(new)
@@ -425,6 +468,7 @@ def encode_changes(entry: TensorEntry, name: str, pos: np.ndarray, xor: np.ndarr
 def encode_state(base: Mapping[str, torch.Tensor],
                  new: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor], *,
                  update: bool = False, digests: Mapping[str, str] | None = None,
+                 base_fingerprints: Mapping[str, Fingerprint] | None = None,
                  progress: bool = False, compact: bool = False) -> dict[str, EncodedTensor]:
     """Encode every tensor of ``base``, several at a time (the kernels and compressors release
     the GIL). ``new`` may be a function of the name, so that e.g. a bf16 cast of fp32 master
@@ -434,7 +478,8 @@ def encode_state(base: Mapping[str, torch.Tensor],
 
     def one(n: str) -> EncodedTensor:
         return encode_tensor(n, base[n], get(n), update=update, threads=False,
-                             digest=digests[n] if digests else None, compact=compact)
+                             digest=digests[n] if digests else None,
+                             base_fingerprint=base_fingerprints[n] if base_fingerprints else None, compact=compact)
 
     from tqdm.auto import tqdm
 
@@ -456,7 +501,8 @@ def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_vers
     header = Header(kind="delta", version=version, base_version=base_version,
                     base_commitment=base_commitment, base_state_digest=base_state_digest, via=list(via),
                     commitment=chain_commitment(base_commitment, [*via, sd]),
-                    state_digest=sd, tensors=dict(sorted(entries.items())))
+                    state_digest=sd, state_fingerprint=entries_fingerprint(entries),
+                    tensors=dict(sorted(entries.items())))
     tensors = {k: v for e in encoded.values() for k, v in e.blobs.items()}
     header.payload_blake3 = payload_digest(tensors)
     return header, tensors
@@ -491,17 +537,21 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
 
 def anchor_header(state: Mapping[str, torch.Tensor], *, version: int,
                   base_version: int | None = None, base_commitment: str = "",
-                  via: list[str] = (), digests: Mapping[str, str] | None = None) -> Header:
+                  via: list[str] = (), digests: Mapping[str, str] | None = None,
+                  fingerprints: Mapping[str, Fingerprint] | None = None) -> Header:
     """Header of a full state. The genesis anchor has base commitment ""; a later anchor
-    restates version v of an existing chain and so carries that chain's commitment."""
+    restates version v of an existing chain and so carries that chain's commitment.
+    ``digests``/``fingerprints``: the tensors' own, when the caller holds them already."""
     digests = digests or {n: tensor_digest(t) for n, t in state.items()}
+    fps = fingerprints or fingerprints_of(state)
     entries = {n: TensorEntry(dtype=dtype_name(t.dtype), shape=list(t.shape), digest=digests[n],
-                              changed=t.numel(), encoding="full") for n, t in sorted(state.items())}
+                              fingerprint=fps[n].hex(), changed=t.numel(), encoding="full")
+               for n, t in sorted(state.items())}
     sd = entries_digest(entries)
     return Header(kind="anchor", version=version, base_version=base_version,
                   base_commitment=base_commitment, via=list(via),
                   commitment=chain_commitment(base_commitment, [*via, sd]),
-                  state_digest=sd, tensors=entries)
+                  state_digest=sd, state_fingerprint=entries_fingerprint(entries), tensors=entries)
 
 
 def save_anchor(state: Mapping[str, torch.Tensor], path: str | Path, header: Header) -> None:
@@ -527,14 +577,25 @@ def _parse_header(raw: bytes, where: str = "") -> Header:
         header = Header.model_validate_json(meta["deltasync"])
     except (ValueError, ValidationError, AttributeError) as e:
         raise DeltaError("format", f"{where}unreadable header: {str(e).splitlines()[0]}") from None
+    if header.format_version == 1:
+        raise DeltaError("format", f"{where}format version 1 (before tensor fingerprints) is no longer read; "
+                                   "publish the chain again with this deltasync (its anchors load as checkpoints)")
     if header.format_version != FORMAT_VERSION:
-        raise DeltaError("format", f"format version {header.format_version} is not supported")
+        raise DeltaError("format", f"{where}format version {header.format_version} is not supported "
+                                   f"(this deltasync reads {FORMAT_VERSION})")
     sd = entries_digest(header.tensors)
     if sd != header.state_digest:
         raise DeltaError("corrupt", "header's tensor digests do not add up to its state digest")
+    if entries_fingerprint(header.tensors) != header.state_fingerprint or not all(
+            _is_hex64(e.fingerprint) for e in header.tensors.values()):
+        raise DeltaError("corrupt", "header's tensor fingerprints do not add up to its state fingerprint")
     if header.commitment != chain_commitment(header.base_commitment, [*header.via, header.state_digest]):
         raise DeltaError("corrupt", "header's commitment does not follow from its base and digests")
     return header
+
+
+def _is_hex64(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def header_length(head: bytes, size: int, where: str = "") -> int:

@@ -59,6 +59,8 @@ from .codec import (
 )
 from .digest import dtype_name, tensor_digest
 from .errors import DeltaError
+from .fingerprint import Fingerprint, fingerprint_delta
+from .fingerprint import fingerprints as fingerprints_of
 from .lock import WriterLock
 from .stores import Store, open_store
 
@@ -192,6 +194,7 @@ class DeltaPublisher:
         self._device_snapshot: dict[str, torch.Tensor] = {}  # name -> bf16 copy where the weights live
         self._cast_buffers: dict[str, torch.Tensor] = {}  # name -> bf16 cast of fp32 host weights
         self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
+        self._fingerprints = fingerprints_of(self._snapshot)  # then kept up to date in O(changes)
         self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
         self._since_anchor_bytes, self._since_anchor = 0, 0
         self._force_anchor = False
@@ -371,10 +374,12 @@ class DeltaPublisher:
         names = list(job.found)
 
         def one(n: str) -> EncodedTensor:
-            return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact)
+            return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact,
+                                base_fingerprint=self._fingerprints[n])
 
         encoded = dict(zip(names, map_balanced(one, names, [self._snapshot[n].numel() for n in names])))
         self._digests.update({n: e.entry.digest for n, e in encoded.items()})
+        self._fingerprints.update({n: Fingerprint.from_hex(e.entry.fingerprint) for n, e in encoded.items()})
         version, base_version, report = job.version, job.version - 1, job.report
         header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                       base_commitment=self._commitment, base_state_digest=self._state_digest)
@@ -399,8 +404,10 @@ class DeltaPublisher:
     def _encode_where(self, name: str, live: torch.Tensor) -> EncodedTensor:
         """One tensor's change, found on the device that holds it (the host snapshot follows)."""
         host = self._snapshot[name]
+        base_fp = self._fingerprints[name]
         if self.detect == "auto" and live.device.type == "cpu":
-            return encode_tensor(name, host, self._cast(live), update=True, threads=False, compact=self.compact)
+            return encode_tensor(name, host, self._cast(live), update=True, threads=False, compact=self.compact,
+                                 base_fingerprint=base_fp)
         new = self._cast(live, host=False)
         snap = self._device_snapshot.get(name)
         if snap is None or snap.device != new.device:  # first version here: the base crosses once
@@ -411,7 +418,7 @@ class DeltaPublisher:
                 if changes is not None:
                     return self._encode_found(name, host, changes)
             elif torch.equal(snap, new):
-                return encode_tensor(name, host, host, digest=self._digests[name])
+                return encode_tensor(name, host, host, digest=self._digests[name], base_fingerprint=base_fp)
         # a dense change, a dtype without a bit view, or a shape error: the whole tensor crosses
         enc = encode_tensor(name, host, new.cpu(), update=True, threads=False, compact=self.compact)
         snap.copy_(new)
@@ -424,11 +431,14 @@ class DeltaPublisher:
         pos, xor = changes.positions, changes.xor
         if changes.count == 0:
             return EncodedTensor(TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape),
-                                             digest=self._digests[name]), {})
-        new_at = hv[pos] ^ xor
+                                             digest=self._digests[name], fingerprint=self._fingerprints[name].hex()), {})
+        old_at = hv[pos]
+        new_at = old_at ^ xor
         classed = encode_positions_classed(pos, hv, host.dtype) if self.compact else None  # on the base
         hv[pos] = new_at
-        entry = TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape), digest=tensor_digest(host))
+        fp = self._fingerprints[name] + fingerprint_delta(pos, old_at, new_at, host.element_size() * 8)
+        entry = TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape), digest=tensor_digest(host),
+                            fingerprint=fp.hex())
         return encode_changes(entry, name, pos, xor, lambda k=None: new_at[:k],
                               None if classed is None else lambda: classed)
 
@@ -436,12 +446,13 @@ class DeltaPublisher:
         tmp = tempfile.TemporaryDirectory(prefix="deltasync-anchor-")
         path = Path(tmp.name) / "anchor.safetensors"
         header = anchor_header(self._snapshot, version=version, base_version=base_version,
-                               base_commitment=base_commitment, digests=self._digests)
+                               base_commitment=base_commitment, digests=self._digests,
+                               fingerprints=self._fingerprints)
         save_anchor(self._snapshot, path, header)
         return tmp, path, header
 
     def _genesis(self, external_base: str | None) -> tuple[int, str]:
-        header = anchor_header(self._snapshot, version=0, digests=self._digests)
+        header = anchor_header(self._snapshot, version=0, digests=self._digests, fingerprints=self._fingerprints)
         self._state_digest = header.state_digest
         latest = self.chain.latest()
         if latest is not None:

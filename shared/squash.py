@@ -125,7 +125,8 @@ def squash_onto(base: dict, files: list[DeltaFile]) -> bytes:
     state = {n: (t.clone() if n in touched else t) for n, t in base.items()}
     for f in files:
         apply_delta(f, state)
-    encoded = {n: encode_tensor(n, base[n], state[n], digest=last.tensors[n].digest) for n in sorted(state)}
+    encoded = {n: encode_tensor(n, base[n], state[n], digest=last.tensors[n].digest,
+                                fingerprint=last.tensors[n].fingerprint) for n in sorted(state)}
     header, tensors = build_delta(encoded, version=last.version, base_version=first.base_version,
                                   base_commitment=first.base_commitment,
                                   base_state_digest=first.base_state_digest, via=_via(files))

@@ -4,6 +4,7 @@ an O(changes) update equals a recompute, and pinned known answers keep the defin
 from __future__ import annotations
 
 import itertools
+import json
 
 import blake3
 import numpy as np
@@ -266,3 +267,69 @@ def test_large_tensor_many_chunks():
     assert numba_fp == tensor_fingerprint(t, backend="torch", chunk=1 << 20)
     head = t[: 1 << 20]
     assert tensor_fingerprint(head, backend="torch") == tensor_fingerprint(head)
+
+
+# --------------------------------------------------------------------------- in the format (v2)
+def _drift(state: dict, frac: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in state.values():
+        if t.is_floating_point():
+            m = torch.rand(t.shape, generator=g) < frac
+            t[m] = t[m] * 1.01
+
+
+@pytest.mark.parametrize("detect", ["numba", "torch"])
+def test_publisher_fingerprints_follow_the_state_in_o_changes(tmp_path, detect):
+    """Every version's entries carry the fingerprint of the published tensor, though the
+    publisher only ever updates them at the changed positions (dense changes and fp32 master
+    weights included)."""
+    from shared.chain import Chain, reconstruct
+    from shared.codec import entries_fingerprint
+    from shared.fingerprint import state_fingerprint_of
+    from shared.publisher import DeltaPublisher
+    from shared.stores import open_store
+
+    torch.manual_seed(1)
+    state = {"a.weight": torch.randn(64, 96) * 0.02, "b.weight": (torch.randn(300) * 0.02).bfloat16(),
+             "steps": torch.zeros(3, dtype=torch.int64)}
+    with DeltaPublisher(state, str(tmp_path), detect=detect) as pub:
+        for v, frac in enumerate([0.01, 0.02, 0.7, 0.0, 0.01], start=1):
+            _drift(state, frac, v)
+            state["steps"][0] = v
+            pub.publish()
+    chain = Chain(open_store(str(tmp_path)))
+    for v in range(6):
+        st, header = reconstruct(chain, v)
+        assert header.state_fingerprint == entries_fingerprint(header.tensors) == state_fingerprint_of(st)
+    published = {n: (t.bfloat16() if t.is_floating_point() else t) for n, t in state.items()}
+    assert header.state_fingerprint == state_fingerprint_of(published)
+
+
+def test_format_1_is_refused_by_name_and_fingerprints_are_checked(tmp_path):
+    import blake3
+    import safetensors.torch
+
+    from shared.codec import DeltaFile, anchor_header, save_anchor
+    from shared.errors import DeltaError
+
+    state = {"w": torch.arange(12, dtype=torch.float32).bfloat16()}
+    header = anchor_header(state, version=0)
+    path = tmp_path / "a.safetensors"
+    save_anchor(state, path, header)
+    assert DeltaFile.open(path).header.state_fingerprint == header.state_fingerprint
+
+    def rewrite(doc: dict) -> None:
+        text = json.dumps(doc)
+        safetensors.torch.save_file(state, str(path), metadata={
+            "format": "deltasync", "deltasync": text, "deltasync_blake3": blake3.blake3(text.encode()).hexdigest()})
+
+    doc = json.loads(header.model_dump_json(exclude_defaults=True))
+    rewrite({**doc, "format_version": 1})
+    with pytest.raises(DeltaError, match="format version 1") as e:
+        DeltaFile.open(path)
+    assert e.value.reason == "format"
+    doc["tensors"]["w"]["fingerprint"] = "0" * 64
+    rewrite(doc)
+    with pytest.raises(DeltaError, match="fingerprints do not add up") as e:
+        DeltaFile.open(path)
+    assert e.value.reason == "corrupt"
