@@ -90,8 +90,12 @@ def parse_args(argv: list[str] | None = None):
             "check the store's latest version this often, in seconds, in case a notification is lost; "
             "0: only on POST /update (default: %(default)s)"))),
         (("--no-predict",), dict(dest="predict", action="store_false", help=(
-            "skip predicting each touched tensor's digest before the write; the read-back audit after it "
-            "still runs (default: predict)"))),
+            "skip predicting each touched tensor's fingerprint before the write; the read-back audit after "
+            "it still runs (default: predict)"))),
+        (("--audit-every",), dict(type=int, default=int(os.environ.get("DELTASYNC_AUDIT_EVERY", 8)), metavar="K",
+                                  help=("after each delta, re-read the whole fingerprints of 1/K of the tensors, "
+                                        "so every tensor is re-verified every K versions; 1: all, every version "
+                                        "(default: %(default)s; env DELTASYNC_AUDIT_EVERY)"))),
         (("--write-probe",), dict(choices=("start", "dense", "off"), default="start", help=(
             "check that writes into the engine's parameters reach its output (the read-back audit cannot "
             "see a backend computing from a copy): perturb each parameter, a fixed prompt's logprobs must "
@@ -112,6 +116,8 @@ def parse_args(argv: list[str] | None = None):
     if not args.store:
         parser.error("--store is required (or set DELTASYNC_STORE): a folder, "
                      "hf://buckets/NAMESPACE/NAME[/PREFIX] or s3://BUCKET[/PREFIX]")
+    if args.audit_every < 1:
+        parser.error("--audit-every must be 1 or more")
     if args.write_probe_params < 0:
         parser.error("--write-probe-params must be 0 (all) or more")
     if args.max_body_bytes < 1:

@@ -191,8 +191,9 @@ class RolloutEngine:
         self.chain = Chain(open_store(self.args.store))
         self.model_dir = resolve_model_dir(self.args.model)
         map_cache = self.args.map_cache or str(Path.home() / ".cache" / "deltasync" / "maps")
-        r = await self.rpc("deltasync_init", json.dumps({"model_dir": str(self.model_dir),
-                                                         "map_cache": map_cache}))
+        r = await self.rpc("deltasync_init", json.dumps({"model_dir": str(self.model_dir), "map_cache": map_cache,
+                                                         "audit_every": self.args.audit_every}))
+        metrics.AUDIT_PERIOD.set(self.args.audit_every)
         self.timings.update(map_s=r["map_s"], map_built=float(r["map_built"]), init_digest_s=r["digest_s"])
         log.info("checkpoint map: %d tensors, %d runs, %s in %.2fs; ignored %s", r["tensors"], r["runs"],
                  "probed" if r["map_built"] else "from cache", r["map_s"], r["ignored"])
@@ -441,6 +442,12 @@ class RolloutEngine:
                 await self._paused_revert(stage_id, mode)
                 raise DeltaError("digest_mismatch", f"v{step.version}: {len(audit['bad'])} tensors read "
                                  f"back wrong after the write (e.g. {audit['bad'][0]}); reverted")
+            metrics.observe_rolling_audit(audit["rolled"], len(audit["drifted"]))
+            if audit["drifted"]:  # wrong before this version landed: no revert brings a known version back
+                why = (f"rolling audit after v{step.version}: {len(audit['drifted'])} tensor(s) differ from "
+                       f"the version held (e.g. {audit['drifted'][0]})")
+                await self._damaged(why)
+                raise DeltaError("digest_mismatch", why)
         finally:
             path.unlink(missing_ok=True)
             if stage_id is not None:  # success or not: the worker frees its old and new bits

@@ -23,6 +23,11 @@ APPLY_SECONDS = Histogram("deltasync_apply_seconds", "The write inside the engin
 AUDIT_SECONDS = Histogram("deltasync_audit_seconds", "Read-back check after the write: the parameters hold the "
                           "target bits (not that generation reads them: see deltasync_write_probe_*)",
                           buckets=_TIMES)
+AUDIT_PERIOD = Gauge("deltasync_audit_period_versions", "K: the rolling audit re-reads every tensor's whole "
+                     "fingerprint once per K versions (--audit-every)")
+ROLLING_AUDITED = Counter("deltasync_rolling_audit_tensors_total", "Whole tensors the rolling audit re-read")
+ROLLING_DRIFTED = Counter("deltasync_rolling_audit_mismatches_total", "Tensors the rolling audit found not to "
+                          "hold the version served (the replica is then marked damaged)")
 CHANGED = Counter("deltasync_changed_elements_total", "Elements written by deltas")
 DIGESTS = Counter("deltasync_live_digests_total", "Live state digests computed (GET /weights/digest "
                   "answers the others from its cache)")
@@ -37,6 +42,11 @@ WRITE_PROBE_FAILED = Gauge("deltasync_write_probe_failed_params", "Parameters wh
                            "output in the last write-through probe")
 
 VERSION.set(-1)
+
+
+def observe_rolling_audit(audited: int, drifted: int) -> None:
+    ROLLING_AUDITED.inc(audited)
+    ROLLING_DRIFTED.inc(drifted)
 
 
 def observe_step(step: StepReport) -> None:

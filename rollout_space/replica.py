@@ -5,24 +5,30 @@ An update is split so that generation stops only for the write:
 * **stage** (while serving): parse and verify the delta (header checksum, base commitment and
   version, every blob's blake3), check that every tensor the delta leaves unchanged has the digest
   this replica holds, map changed positions to engine parameters, gather the live bits there,
-  compute the new bits with the codec's rule (``old ^ xor``, ``old + diff``, new values), and by default predict every touched
-  tensor's digest after the write (one tensor-sized scratch copy at a time). Any failure here is
-  a refusal and no weight has changed.
+  compute the new bits with the codec's rule (``old ^ xor``, ``old + diff``, new values), and by
+  default predict every touched tensor's fingerprint after the write from the held fingerprint and
+  the old and new bits at the changed positions, in O(changes) (a tensor sent whole is predicted
+  by its blake3 digest instead). Any failure here is a refusal and no weight has changed.
 * **commit** (paused): one ``index_copy_`` per (tensor, parameter) pair. Retrying is idempotent;
   an error part-way reverts what was written with one more ``index_copy_`` of the old bits.
-* **audit** (serving again): read the touched tensors back from the engine, in checkpoint
-  coordinates, and compare with the delta's digests; the caller reverts on a mismatch.
+* **audit** (serving again): read the written positions back (O(changes)) and compare with the
+  bits written; the caller reverts on a mismatch. Then the **rolling audit**: the whole-tensor
+  fingerprints of the next slice of tensors, read back from the engine and compared with the ones
+  held, so that every tensor is re-verified every ``audit_every`` versions (K); a mismatch there
+  means the live weights were already not the held version, and the caller marks the replica
+  damaged.
 
-What the audit proves, exactly: for every tensor the delta touched, the elements the
-checkpoint->engine map names, read from the parameter objects this rank bound at start-up (and
-which are still the model's registered parameters, on the same storage: :meth:`LiveWeights.unbound`),
-hash to the delta's target digest. So the parameters hold the target bits where the map says.
+What the audit proves, exactly: the parameter objects this rank bound at start-up (and which are
+still the model's registered parameters, on the same storage: :meth:`LiveWeights.unbound`) hold
+the written bits at the written positions; staging proved those bits give the delta's target
+fingerprints; the rolling audit proves, within K versions, that every tensor as a whole holds its
+held fingerprint (so a stray write elsewhere is caught then, not at once).
 What it does not prove: that generation reads those parameters. A backend that computes from a
 copy made at load time (oneDNN's packed CPU weights, a converted or quantized kernel layout, a
 module caching a transposed weight) leaves its copy untouched by an in-place write, and reading
 the parameter back then shows exactly the bits that were written: the audit passes while the
-output is the old model's. Nor does it cover tensors the delta left unchanged (staging compared
-their held digests; ``GET /weights/digest`` reads them all), nor the prefix cache (the engine
+output is the old model's. Nor does it check the blake3 digests (``GET /weights/digest`` reads
+every tensor and does), nor the prefix cache (the engine
 resets it with every write). Whether a write into a parameter reaches the output is what the
 write-through probe checks (:meth:`LiveWeights.perturbation`, ``RolloutEngine.write_probe``): it
 perturbs each parameter through this same write path and requires a fixed prompt's logprobs to
@@ -47,18 +53,24 @@ from shared.codec import DeltaFile, Header, TensorChange
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
+from shared.fingerprint import Fingerprint, fingerprint_delta, tensor_fingerprint
 
 from .mapping import LiveMap
 
 
 @dataclass
 class Held:
-    """What this rank serves: the version, its commitment and every tensor's digest."""
+    """What this rank serves: the version, its commitment and every tensor's digest and
+    fingerprint (hex)."""
 
     version: int | None
     commitment: str
     digests: dict[str, str]
     specs: dict[str, tuple[str, list[int]]]
+    fingerprints: dict[str, str] = field(default_factory=dict)
+
+    def copy(self) -> Held:
+        return Held(self.version, self.commitment, dict(self.digests), self.specs, dict(self.fingerprints))
 
     @property
     def state_digest(self) -> str:
@@ -84,14 +96,32 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class LiveWeights:
-    def __init__(self, model: torch.nn.Module, live: LiveMap,
-                 specs: Mapping[str, tuple[str, list[int]]], digests: Mapping[str, str]):
+    def __init__(self, model: torch.nn.Module, live: LiveMap, specs: Mapping[str, tuple[str, list[int]]],
+                 digests: Mapping[str, str], fingerprints: Mapping[str, str] | None = None, *, audit_every: int = 8):
+        """``digests``/``fingerprints``: of the tensors the engine does not hold (read from the
+        checkpoint); the held ones are read back from the engine. ``audit_every``: K, the rolling
+        audit's period in versions."""
+        if audit_every < 1:
+            raise ValueError(f"audit_every must be >= 1, not {audit_every}")
         self.model, self.live = model, live
-        self.held = Held(None, "", dict(digests), dict(specs))
+        self.held = Held(None, "", dict(digests), dict(specs), dict(fingerprints or {}))
+        self.audit_every = audit_every
+        self._audit_order = sorted(live.map.tensors)
+        self._audit_next = 0
 
     # ------------------------------------------------------------------ reading
     def digest(self, name: str) -> str:
         return tensor_digest(self.live.read(name))
+
+    def fingerprint(self, name: str) -> str:
+        """The tensor's fingerprint read back from the engine (on the device that holds it)."""
+        return tensor_fingerprint(self.live.read(name)).hex()
+
+    def read_back(self) -> None:
+        """Held digests and fingerprints from the live weights, for every tensor the engine holds."""
+        names = list(self.live.map.tensors)
+        self.held.digests.update(self.live_digests(names))
+        self.held.fingerprints.update({n: self.fingerprint(n) for n in names})
 
     def live_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
         """Digests read back from the engine (mapped tensors; ignored ones keep the held digest)."""
@@ -150,19 +180,19 @@ class LiveWeights:
                     continue  # a tie alias, checked above
                 a = time.perf_counter()
                 pieces = self._patches_for(change)
-                patches += [p for p, _, _ in pieces]
+                patches += [p for p, _, _, _ in pieces]
                 changed += header.tensors[change.name].changed
                 t_gather += time.perf_counter() - a
                 if predict:
                     a = time.perf_counter()
-                    self._predict(change, pieces, header.tensors[change.name].digest)
+                    self._predict(change, pieces, header.tensors[change.name])
                     t_predict += time.perf_counter() - a
         return Staged(header, patches, changed, timings={
             "decode_s": t_decode, "gather_s": t_gather, "predict_s": t_predict,
             "stage_s": time.perf_counter() - t0})
 
-    def _patches_for(self, change: TensorChange) -> list[tuple[Patch, torch.Tensor | None, torch.Tensor]]:
-        """(patch, checkpoint positions or None for all, new checkpoint bits) per parameter."""
+    def _patches_for(self, change: TensorChange) -> list[tuple[Patch, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+        """(patch, checkpoint positions or None for all, old and new checkpoint bits) per parameter."""
         ck_dtype = TORCH_DTYPES[self.held.specs[change.name][0]]
         full = change.bits.reshape(-1) if change.mode == "full" else None
         if full is not None:
@@ -188,15 +218,34 @@ class LiveWeights:
                 positions = (positions[pl.select] if positions is not None else pl.select)
             if positions is not None:
                 positions = positions.to(dev)
-            out.append((Patch(change.name, target, dest, new.contiguous(), old), positions, new_ck))
+            out.append((Patch(change.name, target, dest, new.contiguous(), old), positions, old_ck, new_ck))
         return out
 
-    def _predict(self, change: TensorChange, pieces, digest: str) -> None:
-        """Digest the tensor as it will be after the write, without writing."""
+    def _predict(self, change: TensorChange, pieces, entry) -> None:
+        """Check that the write will give the delta's target tensor, without writing: its
+        fingerprint from the held one and the old and new bits at the changed positions, where
+        the pieces cover each changed position once; else (a tensor sent whole) by a scratch
+        copy and its blake3 digest."""
+        held = self.held.fingerprints.get(change.name)
+        positions = [p for _, p, _, _ in pieces]
+        if held and change.positions is not None and all(p is not None for p in positions):
+            width = TORCH_DTYPES[entry.dtype].itemsize * 8
+            covered = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64)
+            if covered.numel() == change.positions.numel() == covered.unique().numel():
+                fp = Fingerprint.from_hex(held)
+                for _, pos, old_ck, new_ck in pieces:
+                    fp = fp + fingerprint_delta(pos, old_ck, new_ck, width)
+                if fp.hex() != entry.fingerprint:
+                    raise DeltaError("digest_mismatch", f"{change.name}: applying would not give the declared "
+                                     "fingerprint (wrong base or damaged delta); nothing written")
+                return
+        self._predict_whole(change, pieces, entry.digest)
+
+    def _predict_whole(self, change: TensorChange, pieces, digest: str) -> None:
         ck_dtype = TORCH_DTYPES[self.held.specs[change.name][0]]
         after = self.live.read(change.name).reshape(-1).clone()
         bits = _bits(after)
-        for _, positions, new_ck in pieces:
+        for _, positions, _, new_ck in pieces:
             if positions is None:
                 bits.copy_(new_ck.view(bits.dtype) if new_ck.dtype != bits.dtype else new_ck)
             else:
@@ -223,11 +272,11 @@ class LiveWeights:
             if staged.patches and staged.patches[0].target.is_cuda:
                 torch.cuda.synchronize()  # the pause ends when the writes have landed
         dt = time.perf_counter() - t0
-        staged.previous = Held(self.held.version, self.held.commitment, dict(self.held.digests),
-                               self.held.specs)
+        staged.previous = self.held.copy()
         h = staged.header
         for name, e in h.tensors.items():
             self.held.digests[name] = e.digest
+            self.held.fingerprints[name] = e.fingerprint
         self.held.version, self.held.commitment = h.version, h.commitment
         staged.committed = True
         staged.timings["commit_s"] = dt
@@ -245,16 +294,32 @@ class LiveWeights:
         return time.perf_counter() - t0
 
     def audit(self, staged: Staged) -> list[str]:
-        """Touched tensors whose live digest is not the delta's, or whose engine parameter is no
-        longer the model's (empty: the bits landed in the parameters; see the module docstring for
-        what this does not prove)."""
+        """Touched tensors whose written positions read back other bits than were written, or
+        whose engine parameter is no longer the model's (empty: the bits landed in the parameters;
+        see the module docstring for what this does not prove). O(changes)."""
         unbound = set(self.unbound())
-        bad = []
+        bad = set()
+        with torch.no_grad():
+            for p in staged.patches:
+                back = p.target if p.positions is None else p.target.index_select(0, p.positions)
+                if not torch.equal(back, p.new):
+                    bad.add(p.name)
         for n in staged.touched:
-            params = {self.live.map.params[p].name for p in self.live.map.tensors[n].param}
-            if params & unbound or self.digest(n) != staged.header.tensors[n].digest:
-                bad.append(n)
-        return bad
+            params = {self.live.map.params[i].name for i in self.live.map.tensors[n].param}
+            if params & unbound:
+                bad.add(n)
+        return sorted(bad)
+
+    def rolling_audit(self) -> tuple[list[str], list[str]]:
+        """The next slice of tensors (every tensor once per ``audit_every`` calls): (audited,
+        those whose live fingerprint is not the held one)."""
+        order = self._audit_order
+        if not order:
+            return [], []
+        k = -(-len(order) // self.audit_every)
+        names = [order[(self._audit_next + i) % len(order)] for i in range(min(k, len(order)))]
+        self._audit_next = (self._audit_next + k) % len(order)
+        return names, [n for n in names if self.fingerprint(n) != self.held.fingerprints.get(n)]
 
     # ------------------------------------------------------------------ write-through probe
     def unbound(self) -> list[str]:
@@ -320,30 +385,35 @@ class LiveWeights:
 
         t0 = time.perf_counter()
         ignored_digests: dict[str, str] = {}
+        ignored_fps: dict[str, str] = {}
         with torch.no_grad():
             for f in files:
                 with safe_open(str(f), framework="pt") as fh:
                     names = [n for n in fh.keys() if n in self.held.specs]
                     for n in names:
                         if n not in self.live.map.tensors:
-                            ignored_digests[n] = tensor_digest(fh.get_tensor(n))
+                            t = fh.get_tensor(n)
+                            ignored_digests[n], ignored_fps[n] = tensor_digest(t), tensor_fingerprint(t).hex()
                     self.model.load_weights((n, fh.get_tensor(n)) for n in names
                                             if n in self.live.map.tensors)
         t_load = time.perf_counter() - t0
         if unbound := self.unbound():  # the loader replaced a parameter: the map reads stale storage
-            self.held = Held(None, "", dict(self.held.digests), self.held.specs)
+            self.held = Held(None, "", dict(self.held.digests), self.held.specs, dict(self.held.fingerprints))
             raise DeltaError("digest_mismatch", f"after loading v{version} densely, {unbound[0]} is no "
                              "longer the parameter this replica writes into")
-        digests = self.live_digests([n for n in self.held.specs if n in self.live.map.tensors])
+        mapped = [n for n in self.held.specs if n in self.live.map.tensors]
+        digests = self.live_digests(mapped)
+        fps = {n: self.fingerprint(n) for n in mapped}
         for n in self.held.specs:
             if n not in digests:
                 digests[n] = ignored_digests.get(n) or (header.tensors[n].digest if header else "")
+                fps[n] = ignored_fps.get(n) or (header.tensors[n].fingerprint if header else "")
         sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in self.held.specs.items()})
         if sd != state_digest:
-            self.held = Held(None, "", digests, self.held.specs)
+            self.held = Held(None, "", digests, self.held.specs, fps)
             raise DeltaError("digest_mismatch", f"after loading v{version} densely the live state "
                              f"digest is {sd[:12]}…, expected {state_digest[:12]}…")
-        self.held = Held(version, commitment, digests, self.held.specs)
+        self.held = Held(version, commitment, digests, self.held.specs, fps)
         return {"load_s": t_load, "verify_s": time.perf_counter() - t0 - t_load}
 
     def adopt(self, *, version: int, commitment: str, state_digest: str) -> None:

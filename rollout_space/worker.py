@@ -38,6 +38,7 @@ from shared.apply import Patch
 from shared.checkpoint import checkpoint_files, tied_aliases
 from shared.codec import DeltaFile
 from shared.digest import tensor_digest
+from shared.fingerprint import tensor_fingerprint
 from shared.errors import DeltaError
 
 from .cpu_weights import keep_plain_cpu_weights
@@ -95,7 +96,7 @@ class DeltaWorkerExtension:
     # ------------------------------------------------------------------ set-up
     def deltasync_init(self, arg: str) -> str:
         """Build (or load from cache) the checkpoint->engine map; reload real weights if probing
-        destroyed them; return the live state digest. ``arg``: {model_dir, map_cache}."""
+        destroyed them; return the live state digest. ``arg``: {model_dir, map_cache, audit_every}."""
         try:
             cfg = json.loads(arg)
             model = self._ds_model()
@@ -130,6 +131,7 @@ class DeltaWorkerExtension:
             t_map = time.perf_counter() - t0
             live = LiveMap(emap, model)
             digests: dict[str, str] = {}
+            fps: dict[str, str] = {}
             if emap.ignored:
                 from safetensors import safe_open
 
@@ -137,10 +139,11 @@ class DeltaWorkerExtension:
                     with safe_open(str(f), framework="pt") as fh:
                         for n in fh.keys():
                             if n in emap.ignored:
-                                digests[n] = tensor_digest(fh.get_tensor(n))
-            weights = LiveWeights(model, live, specs, digests)
+                                t = fh.get_tensor(n)
+                                digests[n], fps[n] = tensor_digest(t), tensor_fingerprint(t).hex()
+            weights = LiveWeights(model, live, specs, digests, fps, audit_every=cfg.get("audit_every", 8))
             t1 = time.perf_counter()
-            weights.held.digests.update(weights.live_digests(list(emap.tensors)))
+            weights.read_back()
             if world == 1:  # the live state must be the checkpoint's, bit for bit
                 from safetensors import safe_open
 
@@ -207,15 +210,20 @@ class DeltaWorkerExtension:
             return _err(e)
 
     def _job_audit(self, job: str, stage: str) -> str:
-        """Read the touched tensors back (``LiveWeights.audit``): the parameters hold the delta's
-        bits. It cannot see a backend that computes from a copy of them; the write probe can."""
+        """Read the written positions back (``LiveWeights.audit``): the parameters hold the
+        delta's bits. Then, unless that failed, the rolling audit's next slice of whole tensors
+        (``drifted``: live fingerprints that are not the held ones). Neither can see a backend
+        that computes from a copy of the weights; the write probe can."""
         try:
             st = self._ds()
             staged = st.staged[stage]
             t0 = time.perf_counter()
             with st.lock:
                 bad = st.weights.audit(staged)
-            return _ok(bad=bad, audit_s=time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                rolled, drifted = ([], []) if bad else st.weights.rolling_audit()
+            return _ok(bad=bad, audit_s=t1 - t0, rolled=len(rolled), drifted=drifted,
+                       rolling_s=time.perf_counter() - t1, audit_every=st.weights.audit_every)
         except BaseException as e:  # noqa: BLE001
             return _err(e)
 

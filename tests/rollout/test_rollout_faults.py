@@ -72,7 +72,7 @@ class Replica:
         if kind == "stage":
             return {"stage_s": 0.0, "changed": 1, "stage": "S1"}
         if kind == "audit":
-            return {"bad": self.audit_bad}
+            return {"bad": self.audit_bad, "rolled": 0, "drifted": []}
         return {}
 
     def delta(self, tmp_path):

@@ -16,6 +16,7 @@ from rollout_space.server import policy_fields, policy_headers
 from shared.codec import DeltaFile, encode_delta
 from shared.digest import SAFETENSORS_DTYPES, state_digest, tensor_digest
 from shared.errors import DeltaError
+from shared.fingerprint import tensor_fingerprint
 
 BF16 = torch.bfloat16
 CKPT = {"embed.weight": (10, 4), "q.weight": (4, 4), "k.weight": (2, 4), "v.weight": (2, 4),
@@ -61,8 +62,10 @@ def loaded():
     emap = EngineMap.model_validate_json(emap.model_dump_json())  # the cache round trip
     model.load_weights(ckpt.items())
     live = LiveMap(emap, model)
-    weights = LiveWeights(model, live, specs, {"lm_head.weight": tensor_digest(ckpt["lm_head.weight"])})
-    weights.held.digests.update(weights.live_digests(list(emap.tensors)))
+    head = ckpt["lm_head.weight"]
+    weights = LiveWeights(model, live, specs, {"lm_head.weight": tensor_digest(head)},
+                          {"lm_head.weight": tensor_fingerprint(head).hex()}, audit_every=3)
+    weights.read_back()
     return ckpt, model, emap, weights
 
 
@@ -170,3 +173,62 @@ def test_failure_in_the_middle_of_a_commit_is_rolled_back(loaded):
         weights.commit(staged)
     assert weights.live_state_digest() == state_digest(ckpt)
     assert weights.held.version == 0 and weights.held.commitment == c0
+
+
+def test_staging_predicts_fingerprints_in_o_changes(loaded, monkeypatch):
+    """Through fused, padded and transposed parameters, the held fingerprints follow every
+    version, staging predicts them without a whole-tensor hash, and a wrong bit underneath a
+    changed position is refused by fingerprint before anything is written."""
+    import rollout_space.replica as replica
+
+    ckpt, model, emap, weights = loaded
+    assert weights.held.fingerprints == {n: tensor_fingerprint(t).hex() for n, t in ckpt.items()}
+    c0 = genesis_commitment(state_digest(ckpt))
+    weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
+    whole = []
+    monkeypatch.setattr(replica, "tensor_digest", lambda t: whole.append(t) or tensor_digest(t))
+    new = _changed(ckpt, fraction=0.05)
+    delta = _delta(ckpt, new, c0)
+    staged = weights.stage(delta)
+    sent_whole = [n for n, e in delta.header.tensors.items() if e.positions == "all" and n in emap.tensors]
+    assert len(whole) == len(sent_whole) < len(staged.touched)  # only tensors sent whole are hashed whole
+    weights.commit(staged)
+    assert weights.audit(staged) == []
+    assert weights.held.fingerprints == {n: tensor_fingerprint(t).hex() for n, t in new.items()}
+    monkeypatch.undo()
+    # live bits at a position the next delta changes are not the held ones: refused, nothing written
+    nxt = _changed(new, seed=2, fraction=0.05)
+    pos = int((new["o.weight"].view(torch.int16) != nxt["o.weight"].view(torch.int16)).reshape(-1).nonzero()[0])
+    patch_to(weights, "o.weight", pos, new["o.weight"].reshape(-1).view(torch.int16)[pos] ^ 3)
+    before = weights.live_state_digest()
+    with pytest.raises(DeltaError, match="fingerprint") as e:
+        weights.stage(_delta(new, nxt, staged.header.commitment, version=2))
+    assert e.value.reason == "digest_mismatch" and weights.live_state_digest() == before
+
+
+def patch_to(weights, name: str, pos: int, bits: torch.Tensor) -> None:
+    """Write one element of a checkpoint tensor straight into the engine (a stray write)."""
+    (pl,) = weights.live.locate(name, torch.tensor([pos]))
+    target = weights.live.flats[pl.param].view(torch.int16)
+    target[pl.dest] = bits.to(torch.int16)
+
+
+def test_rolling_audit_covers_every_tensor_every_k_versions_and_finds_a_stray_write(loaded):
+    ckpt, model, emap, weights = loaded
+    rounds = [weights.rolling_audit() for _ in range(weights.audit_every)]
+    assert sorted(n for audited, _ in rounds for n in audited) == sorted(emap.tensors)
+    assert all(drifted == [] for _, drifted in rounds)
+    patch_to(weights, "v.weight", 7, ckpt["v.weight"].reshape(-1).view(torch.int16)[7] ^ 1)
+    found = [d for _ in range(weights.audit_every) for d in weights.rolling_audit()[1]]
+    assert found == ["v.weight"]
+
+
+def test_read_back_audit_finds_a_write_that_did_not_land(loaded):
+    ckpt, model, emap, weights = loaded
+    c0 = genesis_commitment(state_digest(ckpt))
+    weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
+    staged = weights.stage(_delta(ckpt, _changed(ckpt), c0))
+    weights.commit(staged)
+    p = next(p for p in staged.patches if p.positions is not None and p.positions.numel() > 1)
+    p.target[p.positions[1]] = p.old[1]  # one written element reverts behind the audit's back
+    assert weights.audit(staged) == [p.name]

@@ -87,6 +87,13 @@ def test_live_digest_equals_trainer_at_every_step(server: Server, trainer: FakeT
         assert d["commitment"] == report.commitment
         assert server.complete()["policy_version"] == report.version
     trainer.publisher.compact = False
+    # every delta re-read 1/K of the tensors whole (K = 8 by default), and all matched
+    m = {line.split()[0]: float(line.split()[1]) for line in server.get("/metrics").text.splitlines()
+         if line.startswith("deltasync_") and " " in line}
+    tensors = len(header.tensors) - 1  # the tied lm_head is not in the engine
+    assert m["deltasync_audit_period_versions"] == 8
+    assert m["deltasync_rolling_audit_tensors_total"] >= 3 * -(-tensors // 8)
+    assert m["deltasync_rolling_audit_mismatches_total"] == 0
 
 
 def test_real_openai_client(server: Server, trainer: FakeTrainer):
