@@ -17,9 +17,10 @@ test: $(SETUP)
 reliability: $(SETUP)  ## faults, load, soak and bad input; prints one table, writes runs/reliability.json
 	DELTASYNC_RELIABILITY_JSON=runs/reliability.json $(PY) -m pytest -q -m '' tests/reliability
 
-bench: $(SETUP)  ## codec, the replica's pause inside vLLM, fingerprints, then the 0.6B-1T scale projection
+bench: $(SETUP)  ## codec, the replica's pause and per-version checks inside vLLM, fingerprints, then the 0.6B-1T scale projection
 	$(PY) -m bench.codec
 	$(PY) -m bench.apply_vllm
+	$(PY) -m bench.verify_cost
 	$(PY) -m bench.fingerprint
 	$(PY) -m bench.scale
 

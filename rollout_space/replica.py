@@ -230,8 +230,9 @@ class LiveWeights:
         positions = [p for _, p, _, _ in pieces]
         if held and change.positions is not None and all(p is not None for p in positions):
             width = TORCH_DTYPES[entry.dtype].itemsize * 8
-            covered = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64)
-            if covered.numel() == change.positions.numel() == covered.unique().numel():
+            # ``locate`` splits the positions between parameters, so the pieces never overlap;
+            # fewer than all means some are held elsewhere (another rank)
+            if sum(p.numel() for p in positions) == change.positions.numel():
                 fp = Fingerprint.from_hex(held)
                 for _, pos, old_ck, new_ck in pieces:
                     fp = fp + fingerprint_delta(pos, old_ck, new_ck, width)

@@ -1,0 +1,154 @@
+"""What a replica spends per version besides the write, at two change fractions, in one run.
+
+Issue 10's question: does the per-version cost on a replica follow the change, not the model?
+For deltas of about 0.1% and 1% of a model's elements, inside a live vLLM engine (in this
+process), medians of ``--reps`` repetitions of:
+
+* **stage**: decode, map to engine parameters, gather the old bits, compute the new ones and
+  predict every touched tensor's fingerprint (``LiveWeights.stage``; the replica does this while
+  serving);
+* **write**: the paused ``index_copy_`` of the staged bits (``LiveWeights.commit``);
+* **read-back**: the written positions read back (``LiveWeights.audit``);
+* **rolling**: the rolling audit's slice of whole-tensor fingerprints (1/K of the tensors, K = 8
+  by default; ``--reps`` of 8 covers every slice once);
+* **floor**: a bare ``index_copy_`` of the same bits at the same positions into scratch copies.
+
+Every repetition is checked (the live state fingerprint is the delta's target after the write and
+the base after the revert). Targets (issue 10): stage at 0.1% <= 1/4 of stage at 1%, and
+stage + write + read-back + rolling at 1% <= 3x the floor. JSON: ``bench/results/verify_cost.json``.
+
+    .venv/bin/python -m bench.verify_cost [--hidden 768 --layers 7 ...] [--reps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STEPS = ("stage", "write", "read_back", "rolling", "floor")
+
+
+def _worker_costs(worker, delta_path: str, reps: int) -> dict:
+    """Runs inside the vLLM worker: the steps above for one delta, ``reps`` times."""
+    import torch
+
+    from shared.codec import DeltaFile
+    from shared.fingerprint import state_fingerprint
+
+    weights = worker._deltasync_state.weights
+
+    def live_fingerprint() -> str:
+        return state_fingerprint({n: (d, s, weights.fingerprint(n) if n in weights.live.map.tensors
+                                      else weights.held.fingerprints[n]) for n, (d, s) in weights.held.specs.items()})
+
+    base = live_fingerprint()
+    times: dict[str, list[float]] = {k: [] for k in STEPS}
+    parts: dict[str, list[float]] = {}  # staging's own split
+    for rep in range(reps):
+        delta = DeltaFile.open(delta_path)  # parsed afresh: staging includes decoding
+        a = time.perf_counter()
+        staged = weights.stage(delta)
+        times["stage"].append(time.perf_counter() - a)
+        for k in ("decode_s", "gather_s", "predict_s"):
+            parts.setdefault(k, []).append(staged.timings[k])
+        scratch = [(p.target.clone(), p.positions, p.new) for p in staged.patches]
+        with torch.no_grad():
+            a = time.perf_counter()
+            for target, pos, new in scratch:
+                target.index_copy_(0, pos, new)
+            times["floor"].append(time.perf_counter() - a)
+        times["write"].append(weights.commit(staged))
+        a = time.perf_counter()
+        bad = weights.audit(staged)
+        times["read_back"].append(time.perf_counter() - a)
+        a = time.perf_counter()
+        _, drifted = weights.rolling_audit()
+        times["rolling"].append(time.perf_counter() - a)
+        if bad or drifted or (rep == 0 and live_fingerprint() != delta.header.state_fingerprint):
+            raise AssertionError(f"not exact: read back {bad}, rolling {drifted}")
+        weights.revert(staged)
+    if live_fingerprint() != base:
+        raise AssertionError("the reverts did not bring the base back")
+    return {"times": times, "stage_parts_median_s": {k: statistics.median(v) for k, v in parts.items()},
+            "changed": staged.changed, "numel": delta.header.numel,
+            "delta_bytes": Path(delta_path).stat().st_size, "tensors": len(weights.live.map.tensors),
+            "audit_every": weights.audit_every}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=7)
+    ap.add_argument("--intermediate", type=int, default=3072)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--fractions", default="0.001,0.01")
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--out", default=str(RESULTS / "verify_cost.json"))
+    a = ap.parse_args()
+
+    from tqdm.auto import tqdm
+    from vllm import LLM
+
+    from bench.apply_vllm import make_delta
+    from shared.tiny_model import build_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-verify-cost-"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
+    model_dir = build_tiny_model(tmp / "model", hidden=a.hidden, layers=a.layers, heads=a.heads,
+                                 kv_heads=a.kv_heads, head_dim=64, intermediate=a.intermediate)
+    llm = LLM(str(model_dir), enforce_eager=True, dtype="bfloat16", max_model_len=512,
+              kv_cache_memory_bytes=256 << 20, worker_extension_cls="rollout_space.worker.DeltaWorkerExtension")
+    init = json.loads(llm.collective_rpc("deltasync_init", args=(json.dumps(
+        {"model_dir": str(model_dir), "map_cache": str(tmp / "maps")}),))[0])
+    assert init["ok"], init
+    fractions = [float(f) for f in a.fractions.split(",")]
+    runs = {}
+    for i, fraction in enumerate(tqdm(fractions, desc="fractions")):
+        path = tmp / f"delta-{fraction}.safetensors"
+        info = make_delta(model_dir, path, fraction, seed=i)
+        adopt = json.loads(llm.collective_rpc("deltasync_adopt", args=(json.dumps(
+            {"version": 0, "commitment": info["base_commitment"], "state_digest": info["base_state_digest"]}),))[0])
+        assert adopt["ok"], adopt
+        r = llm.collective_rpc(_worker_costs, args=(str(path), a.reps))[0]
+        r["median_s"] = {k: statistics.median(v) for k, v in r["times"].items()}
+        runs[fraction] = r
+
+    first = next(iter(runs.values()))
+    print(f"\nmodel {first['numel'] / 1e6:.1f}M params, {first['tensors']} tensors; rolling audit K = "
+          f"{first['audit_every']}; {a.reps} reps, medians in ms (x floor at the same fraction)")
+    print(f"{'changed':>10}{'':>4}" + "".join(f"{k:>16}" for k in STEPS) + f"{'total/floor':>14}")
+    for fraction, r in runs.items():
+        m = r["median_s"]
+        total = m["stage"] + m["write"] + m["read_back"] + m["rolling"]
+        r["total_x_floor"] = total / m["floor"]
+        cells = "".join(f"{m[k] * 1e3:>9.2f} ({m[k] / m['floor']:>4.1f})" for k in STEPS)
+        print(f"{r['changed'] / r['numel']:>10.3%}{'':>4}{cells}{r['total_x_floor']:>14.2f}")
+        print(f"{'':>14}stage = " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in r["stage_parts_median_s"].items()))
+    lo, hi = runs[min(runs)], runs[max(runs)]
+    scaling = lo["median_s"]["stage"] / hi["median_s"]["stage"]
+    targets = {"stage_scales_with_changes (<= 0.25)": scaling, "total_x_floor_at_max_fraction (<= 3)": hi["total_x_floor"]}
+    print(f"stage at {min(runs):.1%} / stage at {max(runs):.1%}: {scaling:.2f} (target <= 0.25: "
+          f"{'met' if scaling <= 0.25 else 'NOT met'})")
+    print(f"stage + write + read-back + rolling at {max(runs):.1%}: {hi['total_x_floor']:.2f}x floor (target <= 3: "
+          f"{'met' if hi['total_x_floor'] <= 3 else 'NOT met'})")
+    result = {"runs": {str(f): r for f, r in runs.items()}, "targets": targets,
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
