@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -36,11 +37,16 @@ class Server(Replica):
         return r.json()
 
 
-def launch(model: Path, store: Path, workdir: Path, *extra: str) -> Server:
-    """Start a server; call :func:`wait_ready` before using it (lets several start at once)."""
+def launch(model: Path, store: Path, workdir: Path, *extra: str, worker: str | None = None,
+           env: dict[str, str] | None = None) -> Server:
+    """Start a server; call :func:`wait_ready` before using it (lets several start at once).
+    ``worker``: a test-only worker extension from this folder (``module.Class``), with ``env``."""
     port = free_port()
     env = {"VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), "TOKENIZERS_PARALLELISM": "false",
-           "DELTASYNC_MAP_CACHE": str(workdir.parent / "maps")}
+           "DELTASYNC_MAP_CACHE": str(workdir.parent / "maps"), **(env or {})}
+    if worker:
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+        extra = (*extra, "--worker-extension-cls", worker)
     return Server(model, store, log_path=workdir / f"rollout-{port}.log", token=TOKEN, env=env, port=port,
                   extra=["--work-dir", str(workdir / f"objects-{port}"), *ENGINE_ARGS, *extra])
 

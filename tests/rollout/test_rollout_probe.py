@@ -9,7 +9,6 @@ serve; and that on the normal path the probe passes and leaves the weights bit-e
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -17,15 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 from chain_helpers import FakeTrainer
-from conftest import ENGINE_ARGS, STARTUP_TIMEOUT_S, TOKEN, Server, launch, wait_ready
+from conftest import STARTUP_TIMEOUT_S, TOKEN, Server, launch, wait_ready
 from probe_worker import MODULE_ENV
-
-from trainer_space.replica_process import free_port
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PRIVATE = "model.layers.0.mlp.down_proj"
-HERE = Path(__file__).parent
 
 
 def expected_params(layers: int = 2) -> dict[str, list[str]]:
@@ -54,13 +50,8 @@ def trainer(tiny_model_dir: Path, tmp_path: Path):
 
 def private_copy_server(model: Path, store: str, workdir: Path, *extra: str) -> Server:
     """A server whose ``PRIVATE`` layer computes from a copy of its weight made at start-up."""
-    port = free_port()
-    env = {"VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), "TOKENIZERS_PARALLELISM": "false",
-           "DELTASYNC_MAP_CACHE": str(workdir.parent / "maps"), MODULE_ENV: PRIVATE,
-           "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return Server(model, store, log_path=workdir / f"rollout-{port}.log", token=TOKEN, env=env, port=port,
-                  extra=["--work-dir", str(workdir / f"objects-{port}"), *ENGINE_ARGS,
-                         "--worker-extension-cls", "probe_worker.PrivateCopyExtension", *extra])
+    return launch(model, Path(store), workdir, *extra, worker="probe_worker.PrivateCopyExtension",
+                  env={MODULE_ENV: PRIVATE})
 
 
 def wait_listening(s: Server) -> dict:
