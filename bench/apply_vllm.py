@@ -188,13 +188,11 @@ def server_pauses(model_dir: Path, tmp: Path, versions: int, fraction: float) ->
 
 
 def main() -> None:
+    from bench.common import add_model_args
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="existing model folder (default: build a Qwen3 of the given size)")
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=7)
-    ap.add_argument("--intermediate", type=int, default=3072)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--server-versions", type=int, default=5,

@@ -69,3 +69,12 @@ def write_json(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload | {"environment": environment()}, indent=1))
     return path
+
+
+def add_model_args(ap) -> None:
+    """The size of the locally built Qwen3 a benchmark runs on (defaults: the 61M model)."""
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=7)
+    ap.add_argument("--intermediate", type=int, default=3072)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=4)

@@ -28,7 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import median_time, memcpy_seconds, write_json
+from bench.common import add_model_args, median_time, memcpy_seconds, write_json
 
 
 def qwen3_shapes(hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
@@ -170,11 +170,7 @@ def report(r: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=7)
-    ap.add_argument("--intermediate", type=int, default=3072)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--fraction", type=float, default=0.01)

@@ -15,7 +15,7 @@ process), medians of ``--reps`` repetitions of:
 
 Every repetition is checked (the live state fingerprint is the delta's target after the write and
 the base after the revert). Targets (issue 10): stage at 0.1% <= 1/4 of stage at 1%, and
-stage + write + read-back + rolling at 1% <= 3x the floor. JSON: ``bench/results/verify_cost.json``.
+stage + write + read-back + rolling at 1% <= 3x the floor. JSON: ``bench/results/verify_cost.json`` (``--name``).
 
     .venv/bin/python -m bench.verify_cost [--hidden 768 --layers 7 ...] [--reps 8]
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -34,7 +33,6 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = ("stage", "write", "read_back", "rolling", "floor")
 
 
@@ -86,15 +84,13 @@ def _worker_costs(worker, delta_path: str, reps: int) -> dict:
 
 
 def main() -> None:
+    from bench.common import add_model_args, write_json
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=7)
-    ap.add_argument("--intermediate", type=int, default=3072)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--fractions", default="0.001,0.01")
     ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--out", default=str(RESULTS / "verify_cost.json"))
+    ap.add_argument("--name", default="verify_cost", help="JSON file name in bench/results (default: %(default)s)")
     a = ap.parse_args()
 
     from tqdm.auto import tqdm
@@ -142,12 +138,9 @@ def main() -> None:
           f"{'met' if scaling <= 0.25 else 'NOT met'})")
     print(f"stage + write + read-back + rolling at {max(runs):.1%}: {hi['total_x_floor']:.2f}x floor (target <= 3: "
           f"{'met' if hi['total_x_floor'] <= 3 else 'NOT met'})")
-    result = {"runs": {str(f): r for f, r in runs.items()}, "targets": targets,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {a.out}")
+    path = write_json(a.name, {"runs": {str(f): r for f, r in runs.items()}, "targets": targets,
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
