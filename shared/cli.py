@@ -301,7 +301,8 @@ def inspect(delta: Path = typer.Argument(..., metavar="FILE", help="a deltasync 
             as_json: bool = JSON) -> None:
     """Describe an anchor or delta file.
 
-    Versions, commitments, state digest and, for each tensor, what changed and how it is coded.
+    Versions, commitments, state digest and fingerprint and, for each tensor, what changed and how
+    it is coded.
     """
     try:
         h = read_header(delta)
@@ -318,8 +319,8 @@ def inspect(delta: Path = typer.Argument(..., metavar="FILE", help="a deltasync 
                + (f" (from v{h.base_version})" if h.base_version is not None else "")
                + f", {size:,} bytes, {h.changed:,}/{h.numel:,} elements changed "
                f"({h.changed / max(h.numel, 1):.3%}), dense {h.dense_bytes:,} bytes")
-    typer.echo(f"commitment {h.commitment}\nbase       {h.base_commitment or '(genesis)'}\n"
-               f"state      {h.state_digest}")
+    typer.echo(f"commitment  {h.commitment}\nbase        {h.base_commitment or '(genesis)'}\n"
+               f"state       {h.state_digest}\nfingerprint {h.state_fingerprint}  (format {h.format_version})")
     t = Table("tensor", "dtype", "shape", "changed", "encoding", "positions")
     for name, e in h.tensors.items():
         t.add_row(name, e.dtype, "x".join(map(str, e.shape)) or "()", f"{e.changed:,}", e.encoding,

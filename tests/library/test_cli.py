@@ -10,6 +10,7 @@ import torch
 
 from shared.checkpoint import load_state, save_state
 from shared.digest import state_digest
+from shared.fingerprint import state_fingerprint_of
 
 from .helpers import perturb
 
@@ -33,7 +34,9 @@ def test_diff_apply_inspect_digest(tiny_model_dir, tmp_path):
     assert run("digest", tiny_model_dir).stdout.strip() == state_digest(s0)  # a model folder
     info = json.loads(run("inspect", tmp_path / "d.safetensors", "--json").stdout)
     assert info["kind"] == "delta" and info["version"] == 1 and info["state_digest"] == state_digest(s1)
-    assert "model.embed_tokens.weight" in run("inspect", tmp_path / "d.safetensors").stdout
+    assert info["format_version"] == 2 and info["state_fingerprint"] == state_fingerprint_of(s1)
+    text = run("inspect", tmp_path / "d.safetensors").stdout
+    assert "model.embed_tokens.weight" in text and f"fingerprint {state_fingerprint_of(s1)}" in text
     # the output is itself a base for the next delta
     s2 = perturb(s1, 0.01, 2)
     save_state(s2, tmp_path / "new2.safetensors")
