@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ from .fingerprint import Fingerprint, fingerprint_delta, state_fingerprint, tens
 from .fingerprint import fingerprints as fingerprints_of
 
 FORMAT = "deltasync"
+_HEX64 = re.compile("[0-9a-f]{64}")
 FORMAT_VERSION = 2  # 2: fingerprints in every entry and the header
 POS, VAL = "::pos", "::val"
 # (shift, mask) of the exponent field in each float dtype's bits: the class of an element
@@ -595,7 +597,7 @@ def _parse_header(raw: bytes, where: str = "") -> Header:
 
 
 def _is_hex64(text: str) -> bool:
-    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+    return _HEX64.fullmatch(text) is not None
 
 
 def header_length(head: bytes, size: int, where: str = "") -> int:

@@ -195,7 +195,7 @@ def fingerprint_delta(indices: torch.Tensor | np.ndarray, old_bits: torch.Tensor
     widx = _word_indices(idx, per)
     kind = _pick(backend, dev)
     if kind == "numba":
-        return _numba_at(widx, new, w_old) - _numba_at(widx, old, w_old)
+        return _numba_delta(widx, old, new, w_old)
     chunk = (chunk or _chunk(kind, dev)) * per
     return _torch_at(widx, new, w_old, dev, chunk) - _torch_at(widx, old, w_old, dev, chunk)
 
@@ -315,16 +315,17 @@ def _range_kernel(words, start, width, out):  # pragma: no cover - compiled by n
     out[0], out[1], out[2], out[3] = s0, s1, s2, s3
 
 
-def _at_kernel(idx, words, width, out):  # pragma: no cover - compiled by numba
-    """Lane sums of ``words[j]`` at word index ``idx[j]``."""
+def _delta_kernel(idx, old, new, width, out):  # pragma: no cover - compiled by numba
+    """Lane sums of ``new[j]`` minus those of ``old[j]``, both at word index ``idx[j]``."""
     sh = np.uint64(width)
     s0, s1, s2, s3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
-    for j in range(words.shape[0]):
-        x = (np.uint64(idx[j]) << sh) | np.uint64(words[j])
-        s0 += _nb_mix(x ^ _NK0)
-        s1 += _nb_mix(x ^ _NK1)
-        s2 += _nb_mix(x ^ _NK2)
-        s3 += _nb_mix(x ^ _NK3)
+    for j in range(idx.shape[0]):
+        at = np.uint64(idx[j]) << sh
+        x, y = at | np.uint64(new[j]), at | np.uint64(old[j])
+        s0 += _nb_mix(x ^ _NK0) - _nb_mix(y ^ _NK0)
+        s1 += _nb_mix(x ^ _NK1) - _nb_mix(y ^ _NK1)
+        s2 += _nb_mix(x ^ _NK2) - _nb_mix(y ^ _NK2)
+        s3 += _nb_mix(x ^ _NK3) - _nb_mix(y ^ _NK3)
     out[0], out[1], out[2], out[3] = s0, s1, s2, s3
 
 
@@ -335,7 +336,7 @@ def _kernels():
     global _nb_mix
     _nb_mix = numba.njit(inline="always")(_mix)
     jit = numba.njit(cache=True, nogil=True)
-    return jit(_range_kernel), jit(_at_kernel)
+    return jit(_range_kernel), jit(_delta_kernel)
 
 
 def _np_words(words: torch.Tensor, width: int) -> np.ndarray:
@@ -360,8 +361,8 @@ def _numba_range(words: torch.Tensor, start: int, width: int, threads: bool, chu
     return sum(map(part, starts), ZERO)
 
 
-def _numba_at(idx: torch.Tensor, words: torch.Tensor, width: int) -> Fingerprint:
-    _, at_kernel = _kernels()
+def _numba_delta(idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor, width: int) -> Fingerprint:
+    _, delta_kernel = _kernels()
     out = np.zeros(4, dtype=np.uint64)
-    at_kernel(idx.contiguous().numpy(), _np_words(words, width), width, out)
+    delta_kernel(idx.contiguous().numpy(), _np_words(old, width), _np_words(new, width), width, out)
     return Fingerprint(tuple(int(v) for v in out))
