@@ -49,7 +49,7 @@ import torch
 
 from shared.apply import Patch, check_base
 from shared.changes import INT_VIEW
-from shared.codec import DeltaFile, Header, TensorChange
+from shared.codec import DeltaFile, Header, TensorChange, TensorEntry
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
@@ -221,7 +221,7 @@ class LiveWeights:
             out.append((Patch(change.name, target, dest, new.contiguous(), old), positions, old_ck, new_ck))
         return out
 
-    def _predict(self, change: TensorChange, pieces, entry) -> None:
+    def _predict(self, change: TensorChange, pieces, entry: TensorEntry) -> None:
         """Check that the write will give the delta's target tensor, without writing: its
         fingerprint from the held one and the old and new bits at the changed positions, where
         the pieces cover each changed position once; else (a tensor sent whole) by a scratch
