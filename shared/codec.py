@@ -470,7 +470,6 @@ def encode_changes(entry: TensorEntry, name: str, pos: np.ndarray, xor: np.ndarr
 def encode_state(base: Mapping[str, torch.Tensor],
                  new: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor], *,
                  update: bool = False, digests: Mapping[str, str] | None = None,
-                 base_fingerprints: Mapping[str, Fingerprint] | None = None,
                  progress: bool = False, compact: bool = False) -> dict[str, EncodedTensor]:
     """Encode every tensor of ``base``, several at a time (the kernels and compressors release
     the GIL). ``new`` may be a function of the name, so that e.g. a bf16 cast of fp32 master
@@ -480,8 +479,7 @@ def encode_state(base: Mapping[str, torch.Tensor],
 
     def one(n: str) -> EncodedTensor:
         return encode_tensor(n, base[n], get(n), update=update, threads=False,
-                             digest=digests[n] if digests else None,
-                             base_fingerprint=base_fingerprints[n] if base_fingerprints else None, compact=compact)
+                             digest=digests[n] if digests else None, compact=compact)
 
     from tqdm.auto import tqdm
 
