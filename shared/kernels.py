@@ -239,15 +239,7 @@ def _escaped_value(s, raw, bit, limit):  # pragma: no cover
     n = (s - SMALL) // 2 + 3
     if bit + n > limit:
         return np.uint64(0), -1
-    v = np.uint64(0)
-    got = 0
-    while got < n:
-        byte = np.uint64(raw[bit >> 3]) >> np.uint64(bit & 7)
-        take = min(8 - (bit & 7), n - got)
-        v |= (byte & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
-        got += take
-        bit += take
-    return ((np.uint64(2) | np.uint64((s - SMALL) & 1)) << np.uint64(n)) | v, bit
+    return ((np.uint64(2) | np.uint64((s - SMALL) & 1)) << np.uint64(n)) | read_bits(raw, bit, n), bit + n
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
