@@ -117,11 +117,19 @@ class LiveWeights:
         """The tensor's fingerprint read back from the engine (on the device that holds it)."""
         return tensor_fingerprint(self.live.read(name)).hex()
 
+    def live_hashes(self, names: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
+        """Digests and fingerprints of tensors the engine holds, each tensor read back once."""
+        digests, fps = {}, {}
+        for n in names:
+            t = self.live.read(n)
+            digests[n], fps[n] = tensor_digest(t), tensor_fingerprint(t).hex()
+        return digests, fps
+
     def read_back(self) -> None:
         """Held digests and fingerprints from the live weights, for every tensor the engine holds."""
-        names = list(self.live.map.tensors)
-        self.held.digests.update(self.live_digests(names))
-        self.held.fingerprints.update({n: self.fingerprint(n) for n in names})
+        digests, fps = self.live_hashes(self.live.map.tensors)
+        self.held.digests.update(digests)
+        self.held.fingerprints.update(fps)
 
     def live_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
         """Digests read back from the engine (mapped tensors; ignored ones keep the held digest)."""
@@ -403,8 +411,7 @@ class LiveWeights:
             raise DeltaError("digest_mismatch", f"after loading v{version} densely, {unbound[0]} is no "
                              "longer the parameter this replica writes into")
         mapped = [n for n in self.held.specs if n in self.live.map.tensors]
-        digests = self.live_digests(mapped)
-        fps = {n: self.fingerprint(n) for n in mapped}
+        digests, fps = self.live_hashes(mapped)
         for n in self.held.specs:
             if n not in digests:
                 digests[n] = ignored_digests.get(n) or (header.tensors[n].digest if header else "")
