@@ -29,6 +29,7 @@ input handling, chunking and the 64-bit rule are shared. numba is imported on fi
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -329,14 +330,24 @@ def _delta_kernel(idx, old, new, width, out):  # pragma: no cover - compiled by 
     out[0], out[1], out[2], out[3] = s0, s1, s2, s3
 
 
-@functools.cache
-def _kernels():
-    import numba
+_KERNELS_LOCK = threading.Lock()
 
-    global _nb_mix
-    _nb_mix = numba.njit(inline="always")(_mix)
-    jit = numba.njit(cache=True, nogil=True)
-    return jit(_range_kernel), jit(_delta_kernel)
+
+def _kernels():
+    """The compiled kernels, built once: the first callers are the thread pool's workers, all at
+    once, and ``_nb_mix`` must be bound before either kernel compiles."""
+    global _KERNELS, _nb_mix
+    with _KERNELS_LOCK:
+        if _KERNELS is None:
+            import numba
+
+            _nb_mix = numba.njit(inline="always")(_mix)
+            jit = numba.njit(cache=True, nogil=True)
+            _KERNELS = jit(_range_kernel), jit(_delta_kernel)
+        return _KERNELS
+
+
+_KERNELS = None
 
 
 def _np_words(words: torch.Tensor, width: int) -> np.ndarray:

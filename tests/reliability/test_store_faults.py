@@ -82,24 +82,33 @@ KILL_POINTS = [
 ]
 
 
+HOLD_DEADLINE_S = 240  # a cold numba cache on a loaded 2-core machine takes well under a minute
+
+
 def kill_mid_upload(store: Path, hold: str, skip: int, versions: int = 7) -> tuple[int, str]:
     """Run the publisher until it blocks inside the held write, SIGKILL it there; returns its pid
     and the temporary file the write left."""
     errors = store.with_name("publisher.log")
     with open(errors, "w") as err:  # a file, never a pipe nobody reads
-        proc = subprocess.Popen([sys.executable, str(PUBLISHER_PROC), str(store), str(versions), "--hold", hold,
-                                 "--skip", str(skip)], cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(PUBLISHER_PROC), str(store), str(versions),
+                                 "--hold", hold, "--skip", str(skip)], cwd=REPO, stdout=subprocess.PIPE, stderr=err,
+                                 text=True)
+    # A publisher that never reaches the held write is a bug to see, not a test to time out:
+    # SIGABRT makes faulthandler write every thread's stack to the log, which the failure shows.
+    stuck = threading.Timer(HOLD_DEADLINE_S, proc.send_signal, (signal.SIGABRT,))
+    stuck.start()
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
             if line.startswith("holding "):
                 _, key, tmp = line.split()
                 break
         else:
-            pytest.fail(f"the publisher ended before holding {hold}: {proc.wait()} {errors.read_text()[-3000:]}")
+            pytest.fail(f"the publisher ended before holding {hold}: {proc.wait()} {errors.read_text()[-6000:]}")
         assert key.startswith(hold), key
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
+        stuck.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
