@@ -330,13 +330,17 @@ def _delta_kernel(idx, old, new, width, out):  # pragma: no cover - compiled by 
     out[0], out[1], out[2], out[3] = s0, s1, s2, s3
 
 
+_KERNELS = None
 _KERNELS_LOCK = threading.Lock()
 
 
 def _kernels():
     """The compiled kernels, built once: the first callers are the thread pool's workers, all at
-    once, and ``_nb_mix`` must be bound before either kernel compiles."""
+    once, and ``_nb_mix`` must be bound before either kernel compiles. Later calls (one per
+    staged piece) read them without the lock."""
     global _KERNELS, _nb_mix
+    if _KERNELS is not None:
+        return _KERNELS
     with _KERNELS_LOCK:
         if _KERNELS is None:
             import numba
@@ -345,9 +349,6 @@ def _kernels():
             jit = numba.njit(cache=True, nogil=True)
             _KERNELS = jit(_range_kernel), jit(_delta_kernel)
         return _KERNELS
-
-
-_KERNELS = None
 
 
 def _np_words(words: torch.Tensor, width: int) -> np.ndarray:

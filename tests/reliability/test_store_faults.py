@@ -82,7 +82,7 @@ KILL_POINTS = [
 ]
 
 
-HOLD_DEADLINE_S = 240  # a cold numba cache on a loaded 2-core machine takes well under a minute
+HOLD_DEADLINE_S = 240  # seen here: up to ~2 min with a cold numba cache and both cores busy
 
 
 def kill_mid_upload(store: Path, hold: str, skip: int, versions: int = 7) -> tuple[int, str]:
