@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import queue
 import signal
 import subprocess
 import sys
@@ -85,6 +86,24 @@ KILL_POINTS = [
 HOLD_DEADLINE_S = 240  # seen here: up to ~2 min with a cold numba cache and both cores busy
 
 
+def child_events(proc: subprocess.Popen) -> queue.Queue:
+    """The child's stdout lines, then None once it has exited. Its exit is watched apart from
+    the pipe: EOF never comes while anything else holds the pipe's write end."""
+    events: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            events.put(line)
+
+    def reap() -> None:
+        proc.wait()
+        events.put(None)
+
+    for target in (read, reap):
+        threading.Thread(target=target, daemon=True).start()
+    return events
+
+
 def kill_mid_upload(store: Path, hold: str, skip: int, versions: int = 7) -> tuple[int, str]:
     """Run the publisher until it blocks inside the held write, SIGKILL it there; returns its pid
     and the temporary file the write left."""
@@ -93,26 +112,32 @@ def kill_mid_upload(store: Path, hold: str, skip: int, versions: int = 7) -> tup
         proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(PUBLISHER_PROC), str(store), str(versions),
                                  "--hold", hold, "--skip", str(skip)], cwd=REPO, stdout=subprocess.PIPE, stderr=err,
                                  text=True)
-    # A publisher that never reaches the held write is a bug to see, not a test to time out:
-    # SIGABRT makes faulthandler write every thread's stack to the log, which the failure shows.
-    stuck = threading.Timer(HOLD_DEADLINE_S, proc.send_signal, (signal.SIGABRT,))
-    stuck.start()
+    events = child_events(proc)
+    deadline = time.monotonic() + HOLD_DEADLINE_S
     try:
-        for line in proc.stdout:  # type: ignore[union-attr]
+        while True:
+            try:
+                line = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                # a publisher that never reaches the held write is a bug to see, not a test to time
+                # out: SIGABRT makes faulthandler write every thread's stack to the log
+                proc.send_signal(signal.SIGABRT)
+                proc.wait(timeout=30)
+                pytest.fail(f"the publisher did not reach {hold} in {HOLD_DEADLINE_S} s; its stacks:\n"
+                            f"{errors.read_text()[-8000:]}")
+            if line is None:
+                pytest.fail(f"the publisher ended before holding {hold}: exit {proc.returncode}\n"
+                            f"{errors.read_text()[-6000:]}")
             if line.startswith("holding "):
                 _, key, tmp = line.split()
                 break
-        else:
-            pytest.fail(f"the publisher ended before holding {hold}: {proc.wait()} {errors.read_text()[-6000:]}")
         assert key.startswith(hold), key
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
-        stuck.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
     return proc.pid, str(Path(tmp).relative_to(store))
 
 
