@@ -225,14 +225,13 @@ def decode_positions_classed(blob, count: int, base: np.ndarray, dtype: torch.dt
 def decode_positions(blob, count: int, gap_bytes: int, numel: int, coder: str = "zstd") -> np.ndarray:
     from .kernels import gaps_to_positions
 
-    if coder == "rice":
-        positions = rice_decode(blob, count, running=True)
-    else:
-        if not 1 <= gap_bytes <= 8:
-            raise DeltaError("corrupt", f"gap width {gap_bytes} bytes")
-        planes = np.frombuffer(zstd_decompress(blob, count * gap_bytes), dtype=np.uint8)
-        positions = np.empty(count, dtype=np.int64)
-        gaps_to_positions(planes, count, gap_bytes, positions)
+    if coder == "rice":  # checked in the decoding pass
+        return rice_decode(blob, count, running=True, limit=numel)
+    if not 1 <= gap_bytes <= 8:
+        raise DeltaError("corrupt", f"gap width {gap_bytes} bytes")
+    planes = np.frombuffer(zstd_decompress(blob, count * gap_bytes), dtype=np.uint8)
+    positions = np.empty(count, dtype=np.int64)
+    gaps_to_positions(planes, count, gap_bytes, positions)
     if count and (positions[-1] >= numel or positions[0] < 0 or
                   (count > 1 and np.any(positions[1:] <= positions[:-1]))):
         raise DeltaError("corrupt", f"positions run outside a tensor of {numel} elements")

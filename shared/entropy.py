@@ -109,21 +109,16 @@ def decode_ints_into(blob, out: np.ndarray, zigzag: bool = False) -> np.ndarray:
         at = _HEAD.size
         if at + n_table + n_code + n_raw != len(blob):
             raise ValueError("section sizes do not add up")
-        freq = np.frombuffer(zstd_decompress(blob[at:at + n_table], 2 * ALPHABET), dtype="<u2").astype(np.int64)
+        table = np.frombuffer(zstd_decompress(blob[at:at + n_table], 2 * ALPHABET), dtype="<u2")
         if out.shape[0] == 0:
             return out
-        if freq.sum() != 1 << kernels.PROB_BITS:
-            raise ValueError("symbol table does not add up")
         at += n_table
         code = np.frombuffer(blob[at:at + n_code], dtype=np.uint8)
         raw = np.frombuffer(blob[at + n_code:], dtype=np.uint8)
-        slot_symbol = np.repeat(np.arange(ALPHABET, dtype=np.int32), freq)
-        status = kernels.rans_decode_values(code, freq, np.cumsum(freq) - freq, slot_symbol, raw, zigzag,
-                                            8 * out.itemsize, out)
-        if status == -1:
-            raise ValueError("the code or its raw bits run out")
-        if status == -2:
-            raise ValueError("value wider than its element")
+        status = kernels.rans_decode_values(code, table, raw, zigzag, 8 * out.itemsize, out)
+        if status:
+            raise ValueError({-1: "the code or its raw bits run out", -2: "value wider than its element",
+                              -3: "symbol table does not add up"}[status])
         return out
     except (ValueError, struct.error) as e:
         raise DeltaError("corrupt", f"entropy-coded blob: {e}") from None
@@ -162,14 +157,18 @@ def rice_encode(x: np.ndarray, running: bool = False) -> bytes:
     return bytes([k]) + out[:n].tobytes()
 
 
-def rice_decode(blob, count: int, running: bool = False) -> np.ndarray:
-    """The values, or with ``running`` the int64 positions they are the gaps of."""
+def rice_decode(blob, count: int, running: bool = False, limit: int = 1 << 62) -> np.ndarray:
+    """The values, or with ``running`` the int64 positions they are the gaps of, checked to be
+    strictly increasing and below ``limit``."""
     from . import kernels
 
     buf = np.frombuffer(memoryview(blob).cast("B"), dtype=np.uint8)
     if buf.shape[0] < 1 or buf[0] > 56:
         raise DeltaError("corrupt", "Rice parameter out of range")
     out = np.empty(count, dtype=np.int64 if running else np.uint64)
-    if kernels.rice_unpack(buf[1:], int(buf[0]), count, out, running) < 0:
+    status = kernels.rice_unpack(buf[1:], int(buf[0]), count, out, running, min(limit, 1 << 62))
+    if status == -2:
+        raise DeltaError("corrupt", f"positions run outside a tensor of {limit} elements")
+    if status < 0:
         raise DeltaError("corrupt", "Rice-coded blob ends early")
     return out

@@ -217,22 +217,6 @@ def pack_bits(x, nraw, out):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def unpack_bits(sym, raw, out):  # pragma: no cover
-    """Rebuild values; returns -1 if the raw bits run out (damaged input)."""
-    bit = 0
-    limit = raw.shape[0] * 8
-    for i in range(sym.shape[0]):
-        s = sym[i]
-        if s < SMALL:
-            out[i] = s
-            continue
-        out[i], bit = _escaped_value(s, raw, bit, limit)
-        if bit < 0:
-            return -1
-    return bit
-
-
-@numba.njit(cache=True, nogil=True)
 def _escaped_value(s, raw, bit, limit):  # pragma: no cover
     """The value of symbol ``s`` >= SMALL: its implied top bits over ``n`` low bits read from
     ``raw`` at ``bit``. Returns (value, next bit), or bit -1 if the raw bits run out."""
@@ -317,10 +301,12 @@ def read_bits(buf, bit, n):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def rice_unpack(buf, k, count, out, running):  # pragma: no cover
+def rice_unpack(buf, k, count, out, running, limit):  # pragma: no cover
     """Decode ``count`` values into ``out``, or with ``running`` the positions they are the gaps
-    of (``out[i] = out[i-1] + v + 1``, from -1). Returns the bytes consumed, or -1 if the input
-    runs out (damaged).
+    of (``out[i] = out[i-1] + v + 1``, from -1). Returns the bytes consumed, -1 if the input
+    runs out, or -2 if a running position reaches ``limit`` (damaged): the positions it writes
+    are strictly increasing and below ``limit`` (at most 2**62), so callers need no second pass
+    to check them.
 
     A 64-bit reservoir is refilled a byte at a time to hold at least 57 bits, so a unary run
     (at most RICE_ESCAPE ones) and a remainder of up to 56 bits are always in it.
@@ -364,6 +350,8 @@ def rice_unpack(buf, k, count, out, running):  # pragma: no cover
             acc >>= np.uint64(k)
             avail -= k
         if running:
+            if v >= np.uint64(limit - prev - 1):  # prev + v + 1 >= limit, without overflow
+                return -2
             prev = prev + np.int64(v) + 1
             out[i] = prev
         else:
@@ -401,37 +389,30 @@ def rans_encode(sym, freq, cum, out):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def rans_decode(code, freq, cum, slot_symbol, count, out):  # pragma: no cover
-    """Decode ``count`` symbols; returns the bytes read, or -1 if the code runs out."""
-    if code.shape[0] < 4:
-        return -1
-    x = np.uint64(0)
-    for j in range(4):
-        x = (x << np.uint64(8)) | np.uint64(code[j])
-    ptr = 4
-    mask = np.uint64((1 << PROB_BITS) - 1)
-    for i in range(count):
-        slot = x & mask
-        s = slot_symbol[slot]
-        out[i] = s
-        x = np.uint64(freq[s]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(cum[s])
-        while x < np.uint64(RANS_L):
-            if ptr >= code.shape[0]:
-                return -1
-            x = (x << np.uint64(8)) | np.uint64(code[ptr])
-            ptr += 1
-    return ptr
-
-
-@numba.njit(cache=True, nogil=True)
-def rans_decode_values(code, freq, cum, slot_symbol, raw, zig, width, out):  # pragma: no cover
-    """:func:`rans_decode`, :func:`unpack_bits` and (``zig``) :func:`unzigzag` in one pass,
+def rans_decode_values(code, table, raw, zig, width, out):  # pragma: no cover
+    """Decode rANS symbols and their raw bits (and, with ``zig``, unzigzag them) in one pass,
     straight into the element-wide unsigned ``out``: no symbol or 64-bit arrays in between.
-    Returns 0, or -1 if the code or the raw bits run out, -2 if a value is wider than
-    ``width`` bits (damaged input)."""
+    ``table``: the symbols' frequencies (uint16), from which the cumulative and slot tables are
+    built here, as a small array pass is cheaper in numba than its numpy calls. Returns 0, -1
+    if the code or the raw bits run out, -2 if a value is wider than ``width`` bits, -3 if the
+    frequencies do not add up (damaged input)."""
     count = out.shape[0]
     if count == 0:
         return 0
+    total = 0
+    for s in range(table.shape[0]):
+        total += np.int64(table[s])
+    if total != 1 << PROB_BITS:
+        return -3
+    freq = np.empty(table.shape[0], dtype=np.int64)
+    cum = np.empty(table.shape[0], dtype=np.int64)
+    slot_symbol = np.empty(1 << PROB_BITS, dtype=np.int32)
+    at = 0
+    for s in range(table.shape[0]):
+        freq[s], cum[s] = table[s], at
+        for j in range(np.int64(table[s])):
+            slot_symbol[at + j] = s
+        at += np.int64(table[s])
     if code.shape[0] < 4:
         return -1
     x = np.uint64(0)

@@ -177,3 +177,37 @@ def test_entropy_coders_roundtrip_and_refuse_truncation(values):
         if len(x) and len(blob) > 16:
             with pytest.raises(DeltaError):
                 dec(blob[: len(blob) // 2], len(x))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**40), min_size=1, max_size=300, unique=True))
+def test_rice_positions_are_checked_in_the_decoding_pass(positions):
+    """Running positions decode strictly increasing and below the tensor's size, or are refused
+    by name; there is no second pass to catch them."""
+    from shared.entropy import rice_decode, rice_encode
+    from shared.errors import DeltaError
+
+    x = np.array(sorted(positions), dtype=np.int64)
+    blob = rice_encode(x, running=True)
+    assert np.array_equal(rice_decode(blob, len(x), running=True, limit=int(x[-1]) + 1), x)
+    with pytest.raises(DeltaError, match=f"outside a tensor of {int(x[-1])} elements"):
+        rice_decode(blob, len(x), running=True, limit=int(x[-1]))
+    # a gap near 2**64 (an escaped value) must not wrap around into the tensor
+    wrapped = rice_encode(np.array([5, 2**64 - 3], dtype=np.uint64))
+    with pytest.raises(DeltaError, match="outside a tensor"):
+        rice_decode(wrapped, 2, running=True, limit=1 << 40)
+
+
+def test_entropy_table_that_does_not_add_up_is_refused():
+    from shared.entropy import _HEAD, ALPHABET, decode_ints, encode_ints, zstd_compress
+    from shared.errors import DeltaError
+
+    blob = encode_ints(np.arange(50, dtype=np.uint64) % 7)
+    n_table, n_code, n_raw = _HEAD.unpack_from(blob, 0)
+    table = np.zeros(ALPHABET, dtype="<u2")
+    table[:7] = 100  # 700, not 4096
+    bad_table = zstd_compress(table.tobytes())
+    rest = blob[_HEAD.size + n_table:]
+    bad = _HEAD.pack(len(bad_table), n_code, n_raw) + bad_table + rest
+    with pytest.raises(DeltaError, match="symbol table does not add up"):
+        decode_ints(bad, 50)
