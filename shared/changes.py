@@ -62,7 +62,7 @@ def _scratch(cap: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     return pos[:cap], xor[:cap]
 
 
-def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: int):
+def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: int, update: bool):
     o, n = old[start:stop], new[start:stop]
     lanes = 8 // o.itemsize
     words = (stop - start) // lanes
@@ -70,8 +70,17 @@ def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: in
 
     pos, xor = _scratch(cap + lanes, o.dtype)
     k = scan_changes(o[: words * lanes].view(np.uint64), n[: words * lanes].view(np.uint64), o, n,
-                     lanes, pos, xor, start)
+                     lanes, pos, xor, start, update)
     return k, pos[:min(k, cap)].copy(), xor[:min(k, cap)].copy()
+
+
+def _undo(old: np.ndarray, found: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Take back the refresh of the chunks that did not overflow (an overflowing or refusing
+    chunk has taken back its own), so that a None never half-updates."""
+    from .kernels import undo_xor
+
+    for pos, xor in found:
+        undo_xor(old, pos, xor, 0)
 
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}
@@ -150,15 +159,12 @@ def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
         return _find_changes_torch(old, new, update, max_fraction)
     o, n = unsigned_view(old), unsigned_view(new)
     chunks = _chunks(o.shape[0], max_fraction)
-    scan = lambda c: _scan_chunk(o, n, *c)
+    scan = lambda c: _scan_chunk(o, n, *c, update)  # noqa: E731 - the refresh is fused into the scan
     results = list(_pool("chunks").map(scan, chunks) if threads and len(chunks) > 1 else map(scan, chunks))
     if any(k > cap for (k, _, _), (_, _, cap) in zip(results, chunks)):
+        if update:
+            _undo(o, [(pos, xor) for (k, pos, xor), (_, _, cap) in zip(results, chunks) if k <= cap])
         return None
-    if update:
-        from .kernels import copy_at
-
-        for k, pos, _ in results:
-            copy_at(o, n, pos[:k])
     if len(results) == 1:  # already copied out of the scratch buffers
         return Changes(results[0][1], results[0][2])
     positions = np.concatenate([pos[:k] for k, pos, _ in results]) if results else np.empty(0, np.int64)
@@ -208,20 +214,18 @@ def find_cast_changes(old: torch.Tensor, live: torch.Tensor, *, update: bool = F
             or live.device.type != "cpu" or old.device.type != "cpu"
             or not (live.is_contiguous() and old.is_contiguous())):
         return False
-    from .kernels import scan_cast_bf16, xor_scatter
+    from .kernels import scan_cast_bf16
 
     lv, o = live.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32), unsigned_view(old)
     found = []
     for start, stop, cap in _chunks(o.shape[0], max_fraction):
         pos, xor = _scratch(cap, o.dtype)
-        k = scan_cast_bf16(lv[start:stop], o[start:stop], pos, xor, start)
-        if k < 0:
-            return False
-        if k > cap:
-            return None
+        k = scan_cast_bf16(lv[start:stop], o[start:stop], pos, xor, start, update)
+        if k < 0 or k > cap:  # the chunk took back its own refresh; the earlier ones are undone
+            if update:
+                _undo(o, found)
+            return False if k < 0 else None
         found.append((pos[:k].copy(), xor[:k].copy()))
     positions = np.concatenate([p for p, _ in found]) if found else np.empty(0, np.int64)
     xor = np.concatenate([x for _, x in found]) if found else np.empty(0, o.dtype)
-    if update:
-        xor_scatter(o, positions, xor)
     return Changes(positions, xor)

@@ -40,9 +40,11 @@ def test_fused_cast_equals_torch_cast_then_compare(seed: int, n: int, special: f
         u = live.view(torch.int32).numpy().view(np.uint32)
         exp, man = u & 0x7F800000, u & 0x007FFFFF
         assert (((exp == 0x7F800000) | (exp == 0)) & (man != 0)).any()
+        assert torch.equal(fused_old.view(torch.int16), old.view(torch.int16))  # the refresh taken back
         return
     if expect is None:
         assert fused is None
+        assert torch.equal(fused_old.view(torch.int16), old.view(torch.int16))
         return
     assert np.array_equal(fused.positions, expect.positions)
     assert np.array_equal(fused.xor, expect.xor)
@@ -54,3 +56,24 @@ def test_nan_and_subnormal_weights_fall_back_to_torch():
     for bits in (0x7FC00000, 0x00000001):
         live = _fp32(np.array([0x3F800000, bits, 0, 0], dtype=np.uint32))
         assert find_cast_changes(old.clone(), live) is False
+
+
+def test_a_refusing_chunk_takes_back_the_earlier_chunks_refresh():
+    """The refresh runs inside the scan: when a later chunk holds a NaN (or changes densely),
+    the chunks already scanned and refreshed are put back, so nothing is half-updated."""
+    from shared.changes import CHUNK_ELEMENTS
+
+    n = CHUNK_ELEMENTS + 1000
+    live = torch.full((n,), 1.0, dtype=torch.float32)
+    old = live.to(torch.bfloat16)
+    live[:100] = 2.0  # first chunk: sparse, refreshed as it is scanned
+    for tail, expect in ((float("nan"), False), (3.0, None)):
+        step = live.clone()
+        step[CHUNK_ELEMENTS + 10:] = tail  # second chunk: a NaN, or every element changed
+        snap = old.clone()
+        assert find_cast_changes(snap, step, update=True) is expect
+        assert torch.equal(snap.view(torch.int16), old.view(torch.int16))
+    snap = old.clone()
+    found = find_cast_changes(snap, live, update=True)
+    assert found.positions.tolist() == list(range(100))
+    assert torch.equal(snap.view(torch.int16), live.to(torch.bfloat16).view(torch.int16))

@@ -164,6 +164,29 @@ def test_find_changes_overflow_leaves_snapshot(dtype):
     assert torch.equal(old, new2)
 
 
+@pytest.mark.parametrize("threads", [False, True])
+def test_find_changes_dense_chunk_takes_back_the_other_chunks_refresh(threads):
+    """The refresh is fused into the scan: a sparse chunk refreshed before (or beside) a chunk
+    that turns out dense is put back, and a dense chunk that had begun refreshing puts itself
+    back, so a None never half-updates."""
+    from shared.changes import CHUNK_ELEMENTS, find_changes
+
+    n = 2 * CHUNK_ELEMENTS + 13  # three chunks, the last with a tail of single elements
+    base = torch.arange(n, dtype=torch.int32).to(torch.bfloat16)
+    new = base.clone()
+    new[[0, 5, CHUNK_ELEMENTS - 1]] = 7  # chunk 0: sparse
+    new[2 * CHUNK_ELEMENTS:] = -1  # chunk 2: every element changed
+    old = base.clone()
+    assert find_changes(old, new, update=True, threads=threads) is None
+    assert torch.equal(old.view(torch.int16), base.view(torch.int16))
+    new[2 * CHUNK_ELEMENTS:] = base[2 * CHUNK_ELEMENTS:]
+    new[n - 1] = 9  # the tail's last element
+    ch = find_changes(old, new, update=True, threads=threads)
+    expect = torch.nonzero(base.view(torch.int16) != new.view(torch.int16)).reshape(-1)
+    assert ch.positions.tolist() == expect.tolist()
+    assert torch.equal(old.view(torch.int16), new.view(torch.int16))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1)), max_size=400))
 def test_entropy_coders_roundtrip_and_refuse_truncation(values):
