@@ -31,6 +31,7 @@ the whole tensor. Version 1 files are refused with a message saying so.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -93,7 +94,7 @@ class TensorEntry(BaseModel):
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 class Header(BaseModel):
@@ -507,12 +508,13 @@ def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_vers
     return header, tensors
 
 
-def payload_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+def payload_digest(blobs: Mapping[str, torch.Tensor | np.ndarray]) -> str:
     """blake3 over the blobs (``name::...``) in name order: name, NUL, bytes, for each."""
     h = blake3.blake3()
-    for name in sorted(k for k in tensors if "::" in k):
+    for name in sorted(k for k in blobs if "::" in k):
         h.update(name.encode() + b"\0")
-        h.update(tensors[name].numpy())
+        blob = blobs[name]
+        h.update(blob.numpy() if isinstance(blob, torch.Tensor) else blob)
     return h.hexdigest()
 
 
@@ -609,10 +611,10 @@ def header_length(head: bytes, size: int, where: str = "") -> int:
     return n
 
 
-def read_header_bytes(data: bytes) -> Header:
+def read_header_bytes(data: bytes, where: str = "") -> Header:
     """Header from the safetensors preamble (8-byte length + JSON), without loading tensors."""
-    n = header_length(data[:8], len(data))
-    return _parse_header(data[8 : 8 + n])
+    n = header_length(data[:8], len(data), where)
+    return _parse_header(data[8 : 8 + n], where)
 
 
 def read_header(path: str | Path) -> Header:
@@ -655,42 +657,53 @@ def combine(mode: str, old_bits: torch.Tensor, bits: torch.Tensor) -> torch.Tens
     return bits
 
 
+IN_MEMORY_MAX = 1 << 28  # files up to this size are read whole; larger ones (anchors) by tensor
+
+
 class DeltaFile:
     """A parsed anchor or delta. Tensors load lazily; every blob is checked before use."""
 
-    def __init__(self, header: Header, tensors: Mapping[str, torch.Tensor] | None = None,
+    def __init__(self, header: Header, objects: Mapping[str, tuple[str, list[int], bytes]] | None = None,
                  handle=None, size: int = 0):
-        """``tensors`` (a file read into memory) or ``handle`` (an open ``safetensors.safe_open``:
-        opened once, as each opening re-parses the whole header, ~0.5 ms per blob otherwise)."""
+        """``objects`` (a file read into memory: name -> safetensors dtype, shape and bytes, as
+        ``safetensors.deserialize`` gives them for a few microseconds each) or ``handle`` (an open
+        ``safetensors.safe_open`` for a file too large to read whole; each ``get_tensor`` costs
+        ~40 us, and each opening re-parses the whole header)."""
         self.header = header
-        self._tensors = tensors
+        self._objects = objects
         self._handle = handle
         self.size = size
-        self._blobs: dict[str, torch.Tensor] | None = None  # once verified
+        self._blobs: dict[str, np.ndarray] | None = None  # once verified
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> DeltaFile:
-        header = read_header_bytes(data)
+    def from_bytes(cls, data: bytes, where: str = "") -> DeltaFile:
+        header = read_header_bytes(data, where)
         try:
-            tensors = safetensors.torch.load(data)
+            objects = {name: (spec["dtype"], spec["shape"], spec["data"]) for name, spec in safetensors.deserialize(data)}
         except Exception as e:  # safetensors raises its own error types
             raise DeltaError("corrupt", f"safetensors: {e}") from None
-        return cls(header, tensors, size=len(data))
+        return cls(header, objects, size=len(data))
 
     @classmethod
     def open(cls, path: str | Path) -> DeltaFile:
+        size = Path(path).stat().st_size
+        if size <= IN_MEMORY_MAX:
+            return cls.from_bytes(Path(path).read_bytes(), where=f"{path}: ")
         header = read_header(path)
         try:
             handle = safetensors.safe_open(str(path), framework="pt")
         except Exception as e:
             raise DeltaError("corrupt", f"safetensors: {e}") from None
-        return cls(header, None, handle=handle, size=Path(path).stat().st_size)
+        return cls(header, None, handle=handle, size=size)
 
     def tensor(self, key: str) -> torch.Tensor:
         try:
-            if self._tensors is not None:
-                return self._tensors[key]
-            return self._handle.get_tensor(key)
+            if self._objects is None:
+                return self._handle.get_tensor(key)
+            dtype, shape, data = self._objects[key]
+            if not data:
+                return torch.empty(shape, dtype=TORCH_DTYPES[dtype])
+            return torch.frombuffer(data, dtype=TORCH_DTYPES[dtype]).reshape(shape)
         except Exception as e:
             raise DeltaError("corrupt", f"object {key!r} unreadable: {e}") from None
 
@@ -698,20 +711,29 @@ class DeltaFile:
         """Check every blob against the header's payload digest (once; the checked blobs are
         kept, so what is decoded is what was checked)."""
         if self._blobs is None:
-            blobs = {k: self.tensor(k) for k in self._keys() if "::" in k}
+            blobs = {k: self._blob_bytes(k) for k in self._keys() if "::" in k}
             if payload_digest(blobs) != self.header.payload_blake3:
                 raise DeltaError("corrupt", "blob bytes do not match the header's payload digest")
             self._blobs = blobs
+
+    def _blob_bytes(self, key: str) -> np.ndarray:
+        """A blob's bytes (blobs are flat U8 objects), without a torch tensor where it is in memory."""
+        if self._objects is None:
+            return self.tensor(key).numpy()
+        dtype, shape, data = self._objects[key]
+        if dtype != "U8" or len(shape) != 1:
+            raise DeltaError("corrupt", f"object {key!r} is {dtype}{shape}, not a byte blob")
+        return np.frombuffer(data, dtype=np.uint8)
 
     def _blob(self, name: str, suffix: str) -> np.ndarray:
         self.verify()
         blob = self._blobs.get(name + suffix)
         if blob is None:
             raise DeltaError("corrupt", f"object {name + suffix!r} is missing")
-        return blob.numpy()
+        return blob
 
     def _keys(self) -> list[str]:
-        return list(self._tensors if self._tensors is not None else self._handle.keys())
+        return list(self._objects if self._objects is not None else self._handle.keys())
 
     def change(self, name: str, base: torch.Tensor | None = None) -> TensorChange | None:
         """One tensor's change. ``base`` (the tensor it applies to, in checkpoint coordinates)
