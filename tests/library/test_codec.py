@@ -234,3 +234,29 @@ def test_entropy_table_that_does_not_add_up_is_refused():
     bad = _HEAD.pack(len(bad_table), n_code, n_raw) + bad_table + rest
     with pytest.raises(DeltaError, match="symbol table does not add up"):
         decode_ints(bad, 50)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_delta_file_read_whole_or_tensor_by_tensor(tmp_path, monkeypatch, whole):
+    """A file up to IN_MEMORY_MAX is read whole; a larger one through safe_open. Both decode the
+    same changes, and both refuse a flipped blob byte before anything is decoded."""
+    import shared.codec as codec
+    from shared.errors import DeltaError
+
+    if not whole:
+        monkeypatch.setattr(codec, "IN_MEMORY_MAX", 0)
+    base = bits_state(3, {"a": ((64, 48), torch.bfloat16), "b": ((7,), torch.float32)})
+    new = perturb({k: t.clone() for k, t in base.items()}, 0.05, 4)
+    data = encode_delta(base, new, version=1, base_version=0, base_commitment="")
+    path = tmp_path / "d.safetensors"
+    path.write_bytes(data)
+    opened = DeltaFile.open(path)
+    assert (opened._objects is None) == (not whole)
+    target = {k: t.clone() for k, t in base.items()}
+    apply_delta(opened, target)
+    assert same_bits(target, new)
+    damaged = bytearray(data)
+    damaged[-3] ^= 0x01  # inside the last blob
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(DeltaError, match="payload digest"):
+        list(DeltaFile.open(path).changes())
