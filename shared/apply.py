@@ -59,7 +59,7 @@ class InPlacePatch:
 
         t, p, b = self.target.numpy(), self.positions.numpy(), self.bits.numpy()
         if self.mode == "xor":
-            xor_scatter(t, p, b)
+            xor_scatter(t, p, b, 0)
         else:
             add_scatter(t, p, b, sign)
 

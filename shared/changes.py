@@ -77,10 +77,10 @@ def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: in
 def _undo(old: np.ndarray, found: list[tuple[np.ndarray, np.ndarray]]) -> None:
     """Take back the refresh of the chunks that did not overflow (an overflowing or refusing
     chunk has taken back its own), so that a None never half-updates."""
-    from .kernels import undo_xor
+    from .kernels import xor_scatter
 
     for pos, xor in found:
-        undo_xor(old, pos, xor, 0)
+        xor_scatter(old, pos, xor, 0)
 
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}

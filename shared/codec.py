@@ -679,7 +679,8 @@ class DeltaFile:
     def from_bytes(cls, data: bytes, where: str = "") -> DeltaFile:
         header = read_header_bytes(data, where)
         try:
-            objects = {name: (spec["dtype"], spec["shape"], spec["data"]) for name, spec in safetensors.deserialize(data)}
+            objects = {name: (spec["dtype"], spec["shape"], spec["data"])
+                       for name, spec in safetensors.deserialize(data)}
         except Exception as e:  # safetensors raises its own error types
             raise DeltaError("corrupt", f"safetensors: {e}") from None
         return cls(header, objects, size=len(data))

@@ -12,6 +12,14 @@ import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
 
+@numba.njit(cache=True, nogil=True)
+def xor_scatter(target, positions, bits, offset):  # pragma: no cover
+    """``target[positions - offset] ^= bits`` in one read-modify-write pass (its own inverse;
+    ``offset``: where ``target`` starts when it is a slice and the positions are global)."""
+    for i in range(positions.shape[0]):
+        target[positions[i] - offset] ^= bits[i]
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _record(x, base, bits, mask, lanes, out_pos, out_xor, k):  # pragma: no cover
     """Write a changed word's lanes without branches; keep those that are non-zero."""
@@ -21,13 +29,6 @@ def _record(x, base, bits, mask, lanes, out_pos, out_xor, k):  # pragma: no cove
         out_xor[k] = lane
         k += lane != 0
     return k
-
-
-@numba.njit(cache=True, nogil=True)
-def undo_xor(target, positions, bits, offset):  # pragma: no cover
-    """``target[positions - offset] ^= bits``: takes back a refresh recorded as positions and XORs."""
-    for i in range(positions.shape[0]):
-        target[positions[i] - offset] ^= bits[i]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -56,7 +57,7 @@ def scan_changes(old_w, new_w, old_e, new_e, lanes, out_pos, out_xor, offset, up
                 continue
             if k >= cap:
                 if update:
-                    undo_xor(old_e, out_pos[:k], out_xor[:k], offset)
+                    xor_scatter(old_e, out_pos[:k], out_xor[:k], offset)
                 return cap + 1
             k = _record(x, offset + w * lanes, bits, mask, lanes, out_pos, out_xor, k)
             if update:
@@ -66,7 +67,7 @@ def scan_changes(old_w, new_w, old_e, new_e, lanes, out_pos, out_xor, offset, up
         if x != 0:
             if k >= cap:
                 if update:
-                    undo_xor(old_e, out_pos[:k], out_xor[:k], offset)
+                    xor_scatter(old_e, out_pos[:k], out_xor[:k], offset)
                 return cap + 1
             out_pos[k] = offset + i
             out_xor[k] = x
@@ -92,14 +93,14 @@ def scan_cast_bf16(live, old, out_pos, out_xor, offset, update):  # pragma: no c
         if (e == np.uint32(0x7F800000) and (u & np.uint32(0x007FFFFF)) != 0) or (
                 e == 0 and (u & np.uint32(0x007FFFFF)) != 0):
             if update:
-                undo_xor(old, out_pos[:k], out_xor[:k], offset)
+                xor_scatter(old, out_pos[:k], out_xor[:k], offset)
             return -1
         b = np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16))
         x = old[i] ^ b
         if x != 0:
             if k >= cap:
                 if update:
-                    undo_xor(old, out_pos[:k], out_xor[:k], offset)
+                    xor_scatter(old, out_pos[:k], out_xor[:k], offset)
                 return cap + 1
             out_pos[k] = offset + i
             out_xor[k] = x
@@ -122,11 +123,6 @@ def gaps_to_positions(planes, count, nbytes, out):  # pragma: no cover
     return pos
 
 
-@numba.njit(cache=True, nogil=True)
-def xor_scatter(target, positions, bits):  # pragma: no cover
-    """``target[positions] ^= bits`` in one read-modify-write pass (its own inverse)."""
-    for i in range(positions.shape[0]):
-        target[positions[i]] ^= bits[i]
 
 
 @numba.njit(cache=True, nogil=True)
