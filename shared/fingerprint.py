@@ -116,8 +116,11 @@ def _words(x: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, int, int]:
         raise ValueError(f"no fingerprint for {width}-bit elements ({x.dtype})")
     per = 2 if width == 64 else 1
     width = min(width, 32)
-    flat = x.detach().reshape(-1)
-    return flat.view(_SIGNED[width]), width, per
+    # each torch call costs microseconds, and this runs once per touched tensor per version
+    flat = x.detach() if x.requires_grad else x
+    if flat.dim() != 1:
+        flat = flat.reshape(-1)
+    return (flat if flat.dtype == _SIGNED[width] else flat.view(_SIGNED[width])), width, per
 
 
 def _word_indices(indices: torch.Tensor, per: int) -> torch.Tensor:
@@ -183,20 +186,23 @@ def fingerprint_delta(indices: torch.Tensor | np.ndarray, old_bits: torch.Tensor
     an index listed twice counts twice. 64-bit elements: indices of elements, not of their halves.
     """
     idx = torch.from_numpy(np.ascontiguousarray(indices)) if isinstance(indices, np.ndarray) else indices
-    idx = idx.reshape(-1).to(torch.int64)
+    if idx.dim() != 1:
+        idx = idx.reshape(-1)
+    if idx.dtype != torch.int64:
+        idx = idx.to(torch.int64)
     old, w_old, per = _words(old_bits)
     new, w_new, _ = _words(new_bits)
     if width not in WIDTHS or w_old != min(width, 32) or w_new != w_old:
         raise ValueError(f"bits of {old_bits.dtype}/{new_bits.dtype} are not {width}-bit elements")
     if not (idx.shape[0] * per == old.shape[0] == new.shape[0]):
         raise ValueError(f"{idx.shape[0]} indices for {old.shape[0] // per}/{new.shape[0] // per} elements")
-    if idx.numel() and int(idx.min()) < 0:
-        raise ValueError("indices must be >= 0")
     dev = _device(device, old.device)
     widx = _word_indices(idx, per)
     kind = _pick(backend, dev)
-    if kind == "numba":
+    if kind == "numba":  # checks the indices in its own pass
         return _numba_delta(widx, old, new, w_old)
+    if idx.numel() and int(idx.min()) < 0:
+        raise ValueError("indices must be >= 0")
     chunk = (chunk or _chunk(kind, dev)) * per
     return _torch_at(widx, new, w_old, dev, chunk) - _torch_at(widx, old, w_old, dev, chunk)
 
@@ -317,10 +323,13 @@ def _range_kernel(words, start, width, out):  # pragma: no cover - compiled by n
 
 
 def _delta_kernel(idx, old, new, width, out):  # pragma: no cover - compiled by numba
-    """Lane sums of ``new[j]`` minus those of ``old[j]``, both at word index ``idx[j]``."""
+    """Lane sums of ``new[j]`` minus those of ``old[j]``, both at word index ``idx[j]``; False
+    (``out`` untouched) if an index is negative."""
     sh = np.uint64(width)
     s0, s1, s2, s3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
     for j in range(idx.shape[0]):
+        if idx[j] < 0:
+            return False
         at = np.uint64(idx[j]) << sh
         x, y = at | np.uint64(new[j]), at | np.uint64(old[j])
         s0 += _nb_mix(x ^ _NK0) - _nb_mix(y ^ _NK0)
@@ -328,6 +337,7 @@ def _delta_kernel(idx, old, new, width, out):  # pragma: no cover - compiled by 
         s2 += _nb_mix(x ^ _NK2) - _nb_mix(y ^ _NK2)
         s3 += _nb_mix(x ^ _NK3) - _nb_mix(y ^ _NK3)
     out[0], out[1], out[2], out[3] = s0, s1, s2, s3
+    return True
 
 
 _KERNELS = None
@@ -352,7 +362,7 @@ def _kernels():
 
 
 def _np_words(words: torch.Tensor, width: int) -> np.ndarray:
-    return words.contiguous().numpy().view(_UNSIGNED_NP[width])
+    return (words if words.is_contiguous() else words.contiguous()).numpy().view(_UNSIGNED_NP[width])
 
 
 def _numba_range(words: torch.Tensor, start: int, width: int, threads: bool, chunk: int) -> Fingerprint:
@@ -362,7 +372,7 @@ def _numba_range(words: torch.Tensor, start: int, width: int, threads: bool, chu
     def part(s: int) -> Fingerprint:
         out = np.zeros(4, dtype=np.uint64)
         range_kernel(w[s:s + chunk], start + s, width, out)
-        return Fingerprint(tuple(int(v) for v in out))
+        return Fingerprint(tuple(out.tolist()))
 
     starts = range(0, w.shape[0], chunk)
     if threads and len(starts) > 1:
@@ -376,5 +386,7 @@ def _numba_range(words: torch.Tensor, start: int, width: int, threads: bool, chu
 def _numba_delta(idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor, width: int) -> Fingerprint:
     _, delta_kernel = _kernels()
     out = np.zeros(4, dtype=np.uint64)
-    delta_kernel(idx.contiguous().numpy(), _np_words(old, width), _np_words(new, width), width, out)
-    return Fingerprint(tuple(int(v) for v in out))
+    if not delta_kernel((idx if idx.is_contiguous() else idx.contiguous()).numpy(), _np_words(old, width),
+                        _np_words(new, width), width, out):
+        raise ValueError("indices must be >= 0")
+    return Fingerprint(tuple(out.tolist()))

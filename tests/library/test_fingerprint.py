@@ -244,8 +244,9 @@ def test_refusals():
         fingerprint_delta(torch.tensor([0]), torch.zeros(1), torch.zeros(1), 16)
     with pytest.raises(ValueError, match="indices for"):
         fingerprint_delta(torch.tensor([0, 1]), torch.zeros(1), torch.zeros(1), 32)
-    with pytest.raises(ValueError, match=">= 0"):
-        fingerprint_delta(np.array([-1]), np.zeros(1, np.uint16), np.zeros(1, np.uint16), 16)
+    for backend in ("numba", "torch"):  # numba checks inside its kernel, torch before it starts
+        with pytest.raises(ValueError, match=">= 0"):
+            fingerprint_delta(np.array([3, -1]), np.zeros(2, np.uint16), np.zeros(2, np.uint16), 16, backend=backend)
     with pytest.raises(ValueError, match="numba backend"):
         tensor_fingerprint(torch.zeros(3), device="meta", backend="numba")
 
