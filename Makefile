@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 SETUP := .venv/.deltasync-setup
 
-.PHONY: setup demo test reliability bench clean
+.PHONY: setup demo test reliability containers bench clean
 
 setup: $(SETUP)
 
@@ -16,6 +16,9 @@ test: $(SETUP)
 
 reliability: $(SETUP)  ## faults, load, soak and bad input; prints one table, writes runs/reliability.json
 	DELTASYNC_RELIABILITY_JSON=runs/reliability.json $(PY) -m pytest -q -m '' tests/reliability
+
+containers: $(SETUP)  ## each Space's container CMD in a fresh virtualenv installed from its rendered folder
+	$(PY) -m pytest -q -m install tests/spaces/test_containers.py
 
 bench: $(SETUP)  ## codec, the replica's pause and per-version checks inside vLLM, fingerprints, then the 0.6B-1T scale projection
 	$(PY) -m bench.codec

@@ -21,7 +21,7 @@ import pytest
 from shared.process import ServerProcess, free_port
 from shared.spaces import ROOT, SPACES, render_space
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.install]  # `make containers`: ~6-11 minutes of fresh installs
 PINS = {line.split("==")[0]: line.split("==")[1]
         for line in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
 TOKEN, API_KEY = "space-update-token", "space-api-key"
