@@ -123,8 +123,6 @@ def gaps_to_positions(planes, count, nbytes, out):  # pragma: no cover
     return pos
 
 
-
-
 @numba.njit(cache=True, nogil=True)
 def max_gap(positions):  # pragma: no cover
     top, prev = 0, -1
