@@ -34,6 +34,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import math
 import os
 import random
 import tempfile
@@ -51,6 +52,7 @@ from shared.schemas import PauseMode, Refusal, StepReport, UpdateResponse
 from shared.stores import open_store
 
 from . import metrics
+from .replica import check_shards
 
 log = logging.getLogger("rollout_space.engine")
 EXTENSION = "rollout_space.worker.DeltaWorkerExtension"
@@ -58,10 +60,63 @@ BASE_LABEL = "base"  # weight version label before the chain names a version
 DAMAGED_LABEL = "damaged"  # weights of no version (a failed dense load): no response names a version
 PROBE_TOKENS = 16  # length of the write-through probe's prompt
 PROBE_SEED = 20261129  # its token ids: a fixed draw from the vocabulary, the same on every replica
+DIGEST_PASSES = 3  # a live digest interrupted by writes this often holds the write lock for its last pass
 PROBE_HOLD_S = 120.0  # longest wait for in-flight requests before an on-demand probe is refused
 
 # Per request: the weight-version spans of each finished choice, filled by the wrapped generate.
 SPANS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("deltasync_spans", default=None)
+
+
+def _raise_failed(answer: dict) -> None:
+    """A worker's answer that says it failed, as the error it names."""
+    if not answer.get("ok", False):
+        if answer.get("reason", "internal") == "internal":
+            raise RuntimeError(answer.get("message"))
+        raise DeltaError(answer["reason"], answer.get("message", ""))
+
+
+def _check_shards(answers: list[dict], what: str) -> None:
+    """Refuse when the ranks' partial fingerprints of a tensor held in parts do not add up to
+    its whole (``what``: what they were computed for, for the message)."""
+    if bad := check_shards([a.get("shards", {}) for a in answers]):
+        raise DeltaError("digest_mismatch", f"{what}: the ranks' parts of {len(bad)} tensor(s) do not add "
+                         f"up to the expected fingerprint (e.g. {bad[0]})")
+
+
+def _merge_audits(answers: list[dict]) -> dict:
+    """One audit from every rank's: what any rank found wrong, the slowest rank's times."""
+    out = dict(answers[0])
+    for key in ("bad", "drifted"):
+        out[key] = sorted({n for a in answers for n in a[key]})
+    for key in ("audit_s", "rolling_s"):
+        out[key] = max(a[key] for a in answers)
+    return out
+
+
+def _tensor_digest_of(answers: list[dict], held: str, numel: int) -> str:
+    """A tensor's digest from every rank's ``deltasync_tensor`` answer: a copy that differs from
+    the held digest wins over one that matches it (every copy must match); parts held by ranks
+    are put together in checkpoint order (a gap or an overlap gives no digest at all)."""
+    import base64
+
+    import blake3
+
+    found = {a["digest"] for a in answers if "digest" in a}
+    parts = [a for a in answers if "runs" in a]
+    if parts:
+        data = [base64.b64decode(a["data"]) for a in parts]
+        size = sum(map(len, data)) // max(1, sum(n for a in parts for _, n in a["runs"]))
+        whole = bytearray(numel * size)
+        filled = 0
+        for a, d in zip(parts, data):
+            off = 0
+            for start, n in a["runs"]:
+                whole[start * size:(start + n) * size] = d[off:off + n * size]
+                off, filled = off + n * size, filled + n
+        found.add(blake3.blake3(whole).hexdigest() if filled == numel else "")
+    if not found:  # held by no rank (a tied alias): its declared digest
+        return held
+    return next((d for d in sorted(found) if d != held), held)
 
 
 def _runs_of_deltas(plan: list) -> list[list]:
@@ -142,6 +197,8 @@ class RolloutEngine:
         self.chain: Chain | None = None
         self.model_dir: Path | None = None
         self.base_state_digest = ""
+        self.world = 1  # engine ranks (tensor parallel size)
+        self.specs: dict[str, list] = {}  # checkpoint tensor -> (dtype, shape), from the workers
         self.user_paused = False
         self._lock = asyncio.Lock()  # one update at a time
         self.write_lock = asyncio.Lock()  # paused sections vs user /pause and /resume
@@ -173,14 +230,15 @@ class RolloutEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if getattr(self.args, "tensor_parallel_size", 1) > 1 or getattr(self.args, "pipeline_parallel_size", 1) > 1:
-            # Maps are per rank, but live digests and staged verification read whole tensors.
-            raise SystemExit("rollout_space supports tensor/pipeline parallel size 1 for now")
+        if getattr(self.args, "pipeline_parallel_size", 1) > 1:
+            # Maps are per tensor-parallel rank; a pipeline stage holds only some layers.
+            raise SystemExit("rollout_space supports pipeline parallel size 1 for now")
         # A subclass of ours (e.g. one that adds RPCs, or a test's fault points) may be named with vLLM's
         # own --worker-extension-cls; anything else would lose the deltasync_* methods.
         self.args.worker_extension_cls = self.args.worker_extension_cls or EXTENSION
         engine_args = AsyncEngineArgs.from_cli_args(self.args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        self.world = vllm_config.parallel_config.world_size
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER,
             enable_log_requests=engine_args.enable_log_requests,
@@ -191,8 +249,14 @@ class RolloutEngine:
         self.chain = Chain(open_store(self.args.store))
         self.model_dir = resolve_model_dir(self.args.model)
         map_cache = self.args.map_cache or str(Path.home() / ".cache" / "deltasync" / "maps")
-        r = await self.rpc("deltasync_init", json.dumps({"model_dir": str(self.model_dir), "map_cache": map_cache,
-                                                         "audit_every": self.args.audit_every}))
+        ranks = await self.rpc_all("deltasync_init", json.dumps({"model_dir": str(self.model_dir),
+                                                                 "map_cache": map_cache,
+                                                                 "audit_every": self.args.audit_every}))
+        _check_shards(ranks, f"the engine's weights after loading {self.model_dir}")
+        r = ranks[0]
+        self.specs = r["specs"]
+        metrics.RANKS.set(self.world)
+        metrics.SPLIT_TENSORS.set(len(r["shards"]))
         metrics.AUDIT_PERIOD.set(self.args.audit_every)
         self.timings.update(map_s=r["map_s"], map_built=float(r["map_built"]), init_digest_s=r["digest_s"])
         log.info("checkpoint map: %d tensors, %d runs, %s in %.2fs; ignored %s", r["tensors"], r["runs"],
@@ -269,39 +333,41 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ worker calls
     async def rpc(self, method: str, *args: str) -> dict:
-        results = await self.engine.collective_rpc(method, args=args)
-        parsed = [json.loads(r) for r in results]
+        """Call ``method`` on every rank; rank 0's answer (any rank's error is raised)."""
+        return (await self.rpc_all(method, *args))[0]
+
+    async def rpc_all(self, method: str, *args: str) -> list[dict]:
+        """Call ``method`` on every rank; every rank's answer, in rank order."""
+        parsed = [json.loads(r) for r in await self.engine.collective_rpc(method, args=args)]
         for p in parsed:
-            if not p.get("ok", False):
-                raise DeltaError(p.get("reason", "internal"), p.get("message", "")) \
-                    if p.get("reason") != "internal" else RuntimeError(p.get("message"))
-        return parsed[0]
+            _raise_failed(p)
+        return parsed
 
     async def job(self, kind: str, arg: str = "") -> dict:
-        """Run a background job in every worker and wait for all of them (polling)."""
-        ids = await self.engine.collective_rpc("deltasync_submit", args=(kind, arg))
-        results: list[dict | None] = [None] * len(ids)
+        """:meth:`job_all`, rank 0's answer."""
+        return (await self.job_all(kind, arg))[0]
+
+    async def job_all(self, kind: str, arg: str = "") -> list[dict]:
+        """Run a background job in every rank and wait for all of them (polling). Every rank
+        numbers its jobs in the order they are submitted, and each submission reaches every
+        rank, so one id names the job on all of them."""
+        ids = set(await self.engine.collective_rpc("deltasync_submit", args=(kind, arg)))
+        if len(ids) != 1:
+            raise RuntimeError(f"ranks gave different job ids: {sorted(ids)}")
+        job = ids.pop()
+        keep = "keep" if self.world > 1 else ""  # several ranks: take results once all are done
         delay = 0.002
-        while any(r is None for r in results):
+        while True:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
-            polled = await self.engine.collective_rpc("deltasync_poll", args=(ids[0],)) \
-                if len(ids) == 1 else None
-            if polled is None:  # several ranks: each polls its own job id
-                polled = []
-                for rank_id in ids:
-                    polled.append((await self.engine.collective_rpc("deltasync_poll", args=(rank_id,)))[0])
-            for i, p in enumerate(polled):
-                d = json.loads(p)
-                if d.get("done") and results[i] is None:
-                    results[i] = d
-        for d in results:
-            assert d is not None
-            if not d.get("ok"):
-                if d.get("reason") == "internal":
-                    raise RuntimeError(d.get("message"))
-                raise DeltaError(d["reason"], d["message"])
-        return results[0]  # type: ignore[return-value]
+            polled = [json.loads(p) for p in await self.engine.collective_rpc("deltasync_poll", args=(job, keep))]
+            if all(d.get("done") for d in polled):
+                break
+        if keep:
+            polled = [json.loads(p) for p in await self.engine.collective_rpc("deltasync_poll", args=(job,))]
+        for d in polled:
+            _raise_failed(d)
+        return polled
 
     # ------------------------------------------------------------------ updates
     async def update(self, target: int | None = None, mode: PauseMode = "wait") -> UpdateResponse:
@@ -428,15 +494,16 @@ class RolloutEngine:
             path, step = local
         stage_id = None
         try:
-            staged = await self.job("stage", json.dumps({"path": str(path), "predict": self.args.predict}))
-            step.stage_s, step.changed = staged["stage_s"], staged["changed"]
-            stage_id = staged["stage"]
+            ranks = await self.job_all("stage", json.dumps({"path": str(path), "predict": self.args.predict}))
+            stage_id = ranks[0]["stage"]
+            _check_shards(ranks, f"v{step.version}")  # before any rank writes
+            step.stage_s, step.changed = max(r["stage_s"] for r in ranks), ranks[0]["changed"]
             m = await asyncio.to_thread(self.chain.manifest, step.version)
             commit = await self._paused_write(step.version, m.commitment, m.state_digest, mode,
                                               "deltasync_commit", stage_id, step)
             step.commit_s = commit["commit_s"]
             a = time.perf_counter()
-            audit = await self.job("audit", stage_id)
+            audit = _merge_audits(await self.job_all("audit", stage_id))
             step.audit_s = time.perf_counter() - a
             if audit["bad"]:
                 await self._paused_revert(stage_id, mode)
@@ -495,7 +562,9 @@ class RolloutEngine:
             self.weight_writes += 1
             try:
                 try:
-                    result = await self.rpc(method, arg)
+                    ranks = await self.rpc_all(method, arg)
+                    _check_shards(ranks, f"v{version}")  # a dense load's parts, read back
+                    result = ranks[0]
                 except BaseException as e:
                     if dense:
                         await self._damaged(f"dense load of v{version} failed: {e}")
@@ -781,9 +850,41 @@ class RolloutEngine:
                 return await asyncio.shield(task), False
             await asyncio.wait([task])  # started for weights since written: the next one is ours
 
+    async def _gathered_digest(self) -> dict:
+        """``job("digest")`` under tensor parallelism: a tensor held in parts is put together
+        from every rank's runs, one tensor at a time, and hashed here (a tensor held whole is
+        hashed on each rank that holds it, so every copy is checked). A pass that a write
+        interrupted starts again; the last holds the write lock throughout."""
+        t0 = time.perf_counter()
+        for n in range(1, DIGEST_PASSES + 1):
+            if n < DIGEST_PASSES:
+                result = await self._gather_pass()
+            else:
+                async with self.write_lock:
+                    result = await self._gather_pass()
+            if result is not None:
+                return result | {"passes": n, "digest_s": time.perf_counter() - t0}
+        raise RuntimeError("unreachable: the last digest pass holds the write lock")
+
+    async def _gather_pass(self) -> dict | None:
+        key = self.weights_key()
+        held_state_digest = self.state.state_digest
+        digests, held = {}, {}
+        for name, (dtype, shape) in self.specs.items():
+            ranks = await self.rpc_all("deltasync_tensor", name)
+            if self.weights_key() != key:
+                return None
+            held[name] = ranks[0]["held"]
+            digests[name] = _tensor_digest_of(ranks, held[name], math.prod(shape))
+        from shared.digest import state_digest_from_entries
+
+        sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in self.specs.items()})
+        return {"state_digest": sd, "version": key[0], "commitment": key[1], "held_state_digest": held_state_digest,
+                "mismatched": sorted(n for n in digests if digests[n] != held[n])}
+
     async def _compute_digest(self, key: tuple) -> dict:
         try:
-            d = await self.job("digest")
+            d = await (self._gathered_digest() if self.world > 1 else self.job("digest"))
             metrics.DIGESTS.inc()
             metrics.DIGEST_SECONDS.observe(d["digest_s"])
             if d.get("passes", 1) > 1:

@@ -33,6 +33,7 @@ import torch
 from pydantic import BaseModel
 
 from shared.digest import SAFETENSORS_DTYPES, TORCH_DTYPES
+from shared.fingerprint import Fingerprint, tensor_fingerprint
 
 SENTINEL = -1.0
 MAP_FORMAT = 1
@@ -345,6 +346,27 @@ class LiveMap:
                 out.append(Placement(p, sel, positions[sel] - starts[r] + pstarts[r]))
         return out
 
+    def whole(self, name: str) -> bool:
+        """Whether this rank holds every element of ``name`` (always on one rank; under tensor
+        parallelism, a tensor every rank holds a copy of, e.g. a norm)."""
+        t = self.map.tensors[name]
+        return t.covered == t.numel
+
+    def runs(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """(checkpoint flat start, live elements in the checkpoint's dtype) per run this rank holds."""
+        t = self.map.tensors[name]
+        dtype = TORCH_DTYPES[t.dtype]
+        for s, n, p, ps in zip(t.hf_start, t.length, t.param, t.param_start):
+            run = self.flats[p][ps: ps + n]
+            yield s, run if run.dtype == dtype else run.to(dtype)
+
+    def fingerprint(self, name: str) -> Fingerprint:
+        """The fingerprint of the elements this rank holds, at their checkpoint indices: the
+        whole tensor's when it holds them all, else a partial sum that the other ranks' complete."""
+        if self.whole(name):
+            return tensor_fingerprint(self.read(name))
+        return sum((tensor_fingerprint(run, start=s) for s, run in self.runs(name)), Fingerprint())
+
     def read(self, name: str) -> torch.Tensor:
         """The live tensor in checkpoint coordinates (a view when it is one run, else a copy)."""
         t = self.map.tensors[name]
@@ -353,8 +375,8 @@ class LiveMap:
             p, off = one
             out = self.flats[p][off: off + t.numel]
         else:
-            if self.map.world != 1:
-                raise MapError(f"{name} is split across ranks; read it on every rank")
+            if not self.whole(name):
+                raise MapError(f"{name} is split across ranks; read its runs on every rank")
             out = torch.empty(t.numel, dtype=self.params[t.param[0]].dtype)
             for s, n, p, ps in zip(t.hf_start, t.length, t.param, t.param_start):
                 out[s: s + n] = self.flats[p][ps: ps + n]

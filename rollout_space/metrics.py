@@ -28,10 +28,15 @@ AUDIT_PERIOD = Gauge("deltasync_audit_period_versions", "K: the rolling audit re
 ROLLING_AUDITED = Counter("deltasync_rolling_audit_tensors_total", "Whole tensors the rolling audit re-read")
 ROLLING_DRIFTED = Counter("deltasync_rolling_audit_mismatches_total", "Tensors the rolling audit found not to "
                           "hold the version served (the replica is then marked damaged)")
+RANKS = Gauge("deltasync_engine_ranks", "Engine ranks (tensor parallel size): each stages, writes and audits "
+              "only its own shard")
+SPLIT_TENSORS = Gauge("deltasync_split_tensors", "Checkpoint tensors held in parts by several ranks: their "
+                      "partial fingerprints must add up before any rank writes")
 CHANGED = Counter("deltasync_changed_elements_total", "Elements written by deltas")
 DIGESTS = Counter("deltasync_live_digests_total", "Live state digests computed (GET /weights/digest "
                   "answers the others from its cache)")
-DIGEST_SECONDS = Histogram("deltasync_live_digest_seconds", "One live state digest, in the worker",
+DIGEST_SECONDS = Histogram("deltasync_live_digest_seconds", "One live state digest (tensors held in parts are "
+                           "put together from every rank)",
                            buckets=_TIMES)
 WRITE_PROBES = Counter("deltasync_write_probes_total", "Write-through probes (a perturbed parameter must move a "
                        "fixed prompt's logprobs, restoring it must restore them), by outcome: passed, failed, "

@@ -36,6 +36,15 @@ move, then restores it and requires them back bit for bit.
 
 Anchors and external checkpoints are dense: they go through the model's own ``load_weights``
 and the whole live state digest is checked afterwards.
+
+Under tensor parallelism each rank holds some tensors whole (norms, replicated on every rank) and
+only part of the others (its shard). A whole tensor is checked on the rank as above. For a
+tensor held in part, the rank keeps the fingerprint of its own elements at their checkpoint
+indices, a partial sum; staging predicts the rank's next partial from the changes it holds and
+reports it in ``Staged.shards`` with the delta's declared fingerprint, and the server requires
+the ranks' partials to add up to it (:func:`check_shards`) before any rank writes. Its blake3
+digest is the declared one (from the checkpoint or the delta); ``GET /weights/digest`` gathers
+the tensor from every rank to recompute it.
 """
 
 from __future__ import annotations
@@ -61,7 +70,8 @@ from .mapping import LiveMap
 @dataclass
 class Held:
     """What this rank serves: the version, its commitment and every tensor's digest and
-    fingerprint (hex)."""
+    fingerprint (hex). For a tensor this rank holds in part, the fingerprint is the partial sum
+    over its own elements and the digest the declared one."""
 
     version: int | None
     commitment: str
@@ -82,6 +92,7 @@ class Staged:
     header: Header
     patches: list[Patch]
     changed: int
+    shards: dict[str, tuple[str, str]] = field(default_factory=dict)  # held in part: (partial after, declared)
     previous: Held | None = None
     committed: bool = False
     timings: dict[str, float] = field(default_factory=dict)
@@ -114,19 +125,29 @@ class LiveWeights:
         return tensor_digest(self.live.read(name))
 
     def fingerprint(self, name: str) -> str:
-        """The tensor's fingerprint read back from the engine (on the device that holds it)."""
-        return tensor_fingerprint(self.live.read(name)).hex()
+        """The tensor's fingerprint read back from the engine (on the device that holds it); of
+        this rank's elements only, for a tensor it holds in part."""
+        return self.live.fingerprint(name).hex()
 
     def live_hashes(self, names: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
-        """Digests and fingerprints of tensors the engine holds, each tensor read back once."""
+        """Digests and fingerprints of tensors the engine holds, each tensor read back once (no
+        digest for a tensor held in part: it takes every rank's elements)."""
         digests, fps = {}, {}
         for n in names:
+            if not self.live.whole(n):
+                fps[n] = self.fingerprint(n)
+                continue
             t = self.live.read(n)
             digests[n], fps[n] = tensor_digest(t), tensor_fingerprint(t).hex()
         return digests, fps
 
+    def split(self) -> list[str]:
+        """The tensors this rank holds in part (none on a single rank)."""
+        return [n for n in self.live.map.tensors if not self.live.whole(n)]
+
     def read_back(self) -> None:
-        """Held digests and fingerprints from the live weights, for every tensor the engine holds."""
+        """Held digests and fingerprints from the live weights, for every tensor the engine holds
+        (digests of tensors held in part stay the declared ones)."""
         digests, fps = self.live_hashes(self.live.map.tensors)
         self.held.digests.update(digests)
         self.held.fingerprints.update(fps)
@@ -174,6 +195,7 @@ class LiveWeights:
         header = delta.header
         self.check(header)
         patches: list[Patch] = []
+        shards: dict[str, tuple[str, str]] = {}
         changed = 0
         t_decode = t_gather = t_predict = 0.0
         with torch.no_grad():
@@ -191,11 +213,16 @@ class LiveWeights:
                 patches += [p for p, _, _, _ in pieces]
                 changed += header.tensors[change.name].changed
                 t_gather += time.perf_counter() - a
-                if predict:
+                entry = header.tensors[change.name]
+                if not self.live.whole(change.name):  # the held partial must follow, predict or not
                     a = time.perf_counter()
-                    self._predict(change, pieces, header.tensors[change.name])
+                    shards[change.name] = (self._predict_partial(change.name, pieces, entry), entry.fingerprint)
                     t_predict += time.perf_counter() - a
-        return Staged(header, patches, changed, timings={
+                elif predict:
+                    a = time.perf_counter()
+                    self._predict(change, pieces, entry)
+                    t_predict += time.perf_counter() - a
+        return Staged(header, patches, changed, shards, timings={
             "decode_s": t_decode, "gather_s": t_gather, "predict_s": t_predict,
             "stage_s": time.perf_counter() - t0})
 
@@ -206,7 +233,7 @@ class LiveWeights:
         if full is not None:
             full = _bits(full)
         out = []
-        for pl in self.live.locate(change.name, change.positions):
+        for pl in self.live.locate(change.name, change.positions):  # only what this rank holds
             flat = self.live.flats[pl.param]
             dev = flat.device  # on GPU, indices and bits move over while serving, not in the pause
             same = flat.dtype == ck_dtype
@@ -250,6 +277,15 @@ class LiveWeights:
                 return
         self._predict_whole(change, pieces, entry.digest)
 
+    def _predict_partial(self, name: str, pieces, entry: TensorEntry) -> str:
+        """This rank's partial fingerprint after the write, from the held one and the old and new
+        bits at the positions it holds (O(its changes)); the server checks the sum over ranks."""
+        width = TORCH_DTYPES[entry.dtype].itemsize * 8
+        fp = Fingerprint.from_hex(self.held.fingerprints[name])
+        for _, pos, old_ck, new_ck in pieces:  # a tensor held in part has several runs: positions set
+            fp = fp + fingerprint_delta(pos, old_ck, new_ck, width)
+        return fp.hex()
+
     def _predict_whole(self, change: TensorChange, pieces, digest: str) -> None:
         ck_dtype = TORCH_DTYPES[self.held.specs[change.name][0]]
         after = self.live.read(change.name).reshape(-1).clone()
@@ -285,7 +321,10 @@ class LiveWeights:
         h = staged.header
         for name, e in h.tensors.items():
             self.held.digests[name] = e.digest
-            self.held.fingerprints[name] = e.fingerprint
+            if name in staged.shards:
+                self.held.fingerprints[name] = staged.shards[name][0]
+            elif name not in self.live.map.tensors or self.live.whole(name):  # else: a partial, unchanged
+                self.held.fingerprints[name] = e.fingerprint
         self.held.version, self.held.commitment = h.version, h.commitment
         staged.committed = True
         staged.timings["commit_s"] = dt
@@ -384,8 +423,10 @@ class LiveWeights:
 
     # ------------------------------------------------------------------ dense path
     def load_dense(self, files: list[Path], *, version: int, commitment: str, state_digest: str,
-                   header: Header | None = None) -> dict[str, float]:
+                   header: Header | None = None) -> dict:
         """Load full checkpoint files through ``load_weights``, then check the live state digest.
+        Returns timings and ``shards``: per tensor held in part, (live partial, the file's
+        fingerprint), for the server's :func:`check_shards`.
 
         On a mismatch the engine holds weights of no version: ``held`` is marked unknown
         (version None, empty commitment) and the caller must re-sync before serving.
@@ -393,16 +434,17 @@ class LiveWeights:
         from safetensors import safe_open
 
         t0 = time.perf_counter()
-        ignored_digests: dict[str, str] = {}
-        ignored_fps: dict[str, str] = {}
+        split = set(self.split())
+        file_digests: dict[str, str] = {}  # tensors not read back whole from the engine: from the file
+        file_fps: dict[str, str] = {}
         with torch.no_grad():
             for f in files:
                 with safe_open(str(f), framework="pt") as fh:
                     names = [n for n in fh.keys() if n in self.held.specs]
                     for n in names:
-                        if n not in self.live.map.tensors:
+                        if n not in self.live.map.tensors or n in split:
                             t = fh.get_tensor(n)
-                            ignored_digests[n], ignored_fps[n] = tensor_digest(t), tensor_fingerprint(t).hex()
+                            file_digests[n], file_fps[n] = tensor_digest(t), tensor_fingerprint(t).hex()
                     self.model.load_weights((n, fh.get_tensor(n)) for n in names
                                             if n in self.live.map.tensors)
         t_load = time.perf_counter() - t0
@@ -412,17 +454,19 @@ class LiveWeights:
                              "longer the parameter this replica writes into")
         mapped = [n for n in self.held.specs if n in self.live.map.tensors]
         digests, fps = self.live_hashes(mapped)
+        shards = {n: (fps[n], file_fps.get(n, "")) for n in split}
         for n in self.held.specs:
             if n not in digests:
-                digests[n] = ignored_digests.get(n) or (header.tensors[n].digest if header else "")
-                fps[n] = ignored_fps.get(n) or (header.tensors[n].fingerprint if header else "")
+                digests[n] = file_digests.get(n) or (header.tensors[n].digest if header else "")
+            if n not in fps:
+                fps[n] = file_fps.get(n) or (header.tensors[n].fingerprint if header else "")
         sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in self.held.specs.items()})
         if sd != state_digest:
             self.held = Held(None, "", digests, self.held.specs, fps)
             raise DeltaError("digest_mismatch", f"after loading v{version} densely the live state "
                              f"digest is {sd[:12]}…, expected {state_digest[:12]}…")
         self.held = Held(version, commitment, digests, self.held.specs, fps)
-        return {"load_s": t_load, "verify_s": time.perf_counter() - t0 - t_load}
+        return {"load_s": t_load, "verify_s": time.perf_counter() - t0 - t_load, "shards": shards}
 
     def adopt(self, *, version: int, commitment: str, state_digest: str) -> None:
         """Declare the weights already loaded to be ``version`` (an external genesis anchor that
@@ -431,6 +475,21 @@ class LiveWeights:
             raise DeltaError("wrong_base", f"v{version} has state digest {state_digest[:12]}…, the "
                              f"loaded model has {self.held.state_digest[:12]}…")
         self.held.version, self.held.commitment = version, commitment
+
+
+def check_shards(per_rank: list[Mapping[str, tuple[str, str] | list[str]]]) -> list[str]:
+    """Tensors whose ranks' partial fingerprints do not add up to the expected whole (sorted).
+
+    ``per_rank``: each rank's ``{name: (partial, expected)}`` for the tensors it holds in part.
+    A tensor some rank holds whole is checked on that rank and never listed here; one that two
+    ranks hold overlapping parts of cannot add up, and is listed too."""
+    total: dict[str, Fingerprint] = {}
+    expected: dict[str, set[str]] = {}
+    for shards in per_rank:
+        for name, (partial, want) in shards.items():
+            total[name] = total.get(name, Fingerprint()) + Fingerprint.from_hex(partial)
+            expected.setdefault(name, set()).add(want)
+    return sorted(n for n, fp in total.items() if expected[n] != {fp.hex()})
 
 
 def genesis_commitment(state_digest: str) -> str:

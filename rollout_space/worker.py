@@ -130,31 +130,31 @@ class DeltaWorkerExtension:
                                                if n in emap.tensors)
             t_map = time.perf_counter() - t0
             live = LiveMap(emap, model)
-            digests: dict[str, str] = {}
-            fps: dict[str, str] = {}
-            if emap.ignored:
-                from safetensors import safe_open
+            split = [n for n in emap.tensors if not live.whole(n)]  # this rank's shards of them
+            from safetensors import safe_open
 
-                for f in files:
-                    with safe_open(str(f), framework="pt") as fh:
-                        for n in fh.keys():
-                            if n in emap.ignored:
-                                t = fh.get_tensor(n)
-                                digests[n], fps[n] = tensor_digest(t), tensor_fingerprint(t).hex()
-            weights = LiveWeights(model, live, specs, digests, fps, audit_every=cfg.get("audit_every", 8))
             t1 = time.perf_counter()
+            file_digests: dict[str, str] = {}
+            file_fps: dict[str, str] = {}  # of the tensors the engine does not read back whole
+            for f in files:
+                with safe_open(str(f), framework="pt") as fh:
+                    for n in fh.keys():
+                        if n in specs:
+                            t = fh.get_tensor(n)
+                            file_digests[n] = tensor_digest(t)
+                            if n in emap.ignored or n in split:
+                                file_fps[n] = tensor_fingerprint(t).hex()
+            weights = LiveWeights(model, live, specs, {n: file_digests[n] for n in file_fps}, file_fps,
+                                  audit_every=cfg.get("audit_every", 8))
             weights.read_back()
-            if world == 1:  # the live state must be the checkpoint's, bit for bit
-                from safetensors import safe_open
-
-                for f in files:
-                    with safe_open(str(f), framework="pt") as fh:
-                        for n in fh.keys():
-                            if n in emap.tensors and tensor_digest(fh.get_tensor(n)) != weights.held.digests[n]:
-                                raise DeltaError("digest_mismatch", f"{n}: live weights differ from "
-                                                 f"{f.name} after loading")
+            for n in emap.tensors:  # the live state must be the checkpoint's, bit for bit
+                if n not in split and file_digests[n] != weights.held.digests[n]:
+                    raise DeltaError("digest_mismatch", f"{n}: live weights differ from the checkpoint "
+                                     "after loading")
+            shards = {n: (weights.held.fingerprints[n], file_fps[n]) for n in split}  # the server adds them up
             self._deltasync_state = _State(weights, emap)
-            return _ok(state_digest=weights.held.state_digest, tensors=len(emap.tensors),
+            return _ok(state_digest=weights.held.state_digest, tensors=len(emap.tensors), shards=shards,
+                       specs=weights.held.specs,
                        ignored=emap.ignored, runs=emap.runs, map_built=built, map_s=t_map,
                        map_build_s=emap.build_s, digest_s=time.perf_counter() - t1, key=key,
                        pid=os.getpid())
@@ -172,8 +172,9 @@ class DeltaWorkerExtension:
         st.jobs[job] = (st.reader if kind == "digest" else st.pool).submit(fn, job, arg)
         return job
 
-    def deltasync_poll(self, job: str) -> str:
-        """``{"done": false}`` while running, else the job's result (and it is forgotten)."""
+    def deltasync_poll(self, job: str, keep: str = "") -> str:
+        """``{"done": false}`` while running, else the job's result, then forgotten unless ``keep``
+        (several ranks: the server polls until every rank is done, then takes the results)."""
         st = self._ds()
         fut = st.jobs.get(job)
         if fut is None:
@@ -181,7 +182,8 @@ class DeltaWorkerExtension:
                                "message": f"unknown job {job}"})
         if not fut.done():
             return json.dumps({"done": False})
-        del st.jobs[job]
+        if not keep:
+            del st.jobs[job]
         return json.dumps({"done": True, **json.loads(fut.result())})
 
     def _job_stage(self, job: str, arg: str) -> str:
@@ -193,7 +195,7 @@ class DeltaWorkerExtension:
                 staged = st.weights.stage(delta, predict=a.get("predict", True))
             st.staged[job] = staged
             h = staged.header
-            return _ok(stage=job, version=h.version, base_version=h.base_version,
+            return _ok(stage=job, version=h.version, base_version=h.base_version, shards=staged.shards,
                        changed=staged.changed, patches=len(staged.patches),
                        tensors=len(staged.touched), **staged.timings)
         except BaseException as e:  # noqa: BLE001
@@ -242,6 +244,29 @@ class DeltaWorkerExtension:
                 if result is not None:
                     return _ok(**result, passes=n, digest_s=time.perf_counter() - t0)
             raise RuntimeError("unreachable: the last digest pass holds the lock")
+        except BaseException as e:  # noqa: BLE001
+            return _err(e)
+
+    def deltasync_tensor(self, name: str) -> str:
+        """One tensor for a live digest under tensor parallelism, read under the weights lock:
+        its blake3 digest when this rank holds it whole, else this rank's runs (checkpoint start,
+        length) and their bytes (base64), for the server to put together; with the held digest."""
+        import base64
+
+        try:
+            st = self._ds()
+            w = st.weights
+            with st.lock:
+                out: dict[str, Any] = {"held": w.held.digests[name]}
+                if name in w.live.map.tensors:
+                    if w.live.whole(name):
+                        out["digest"] = w.digest(name)
+                    else:
+                        runs = list(w.live.runs(name))
+                        data = torch.cat([r.reshape(-1) for _, r in runs]).view(torch.uint8)
+                        out["runs"] = [(s, r.numel()) for s, r in runs]
+                        out["data"] = base64.b64encode(data.cpu().numpy().tobytes()).decode()
+            return _ok(**out)
         except BaseException as e:  # noqa: BLE001
             return _err(e)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout_space.mapping import EngineMap, LiveMap, MapError, build_map
-from rollout_space.replica import LiveWeights, genesis_commitment
+from rollout_space.replica import LiveWeights, check_shards, genesis_commitment
 from rollout_space.server import policy_fields, policy_headers
 from shared.codec import DeltaFile, encode_delta
 from shared.digest import SAFETENSORS_DTYPES, state_digest, tensor_digest
@@ -232,3 +232,92 @@ def test_read_back_audit_finds_a_write_that_did_not_land(loaded):
     p = next(p for p in staged.patches if p.positions is not None and p.positions.numel() > 1)
     p.target[p.positions[1]] = p.old[1]  # one written element reverts behind the audit's back
     assert weights.audit(staged) == [p.name]
+
+
+# ----------------------------------------------------------------------------- ranks
+def rank_map(emap: EngineMap, rank: int, world: int = 2) -> EngineMap:
+    """This rank's share of a one-rank map, the way tensor parallelism splits one: every run cut
+    in two and the pieces dealt out in turn (so each rank holds part of every tensor), except the
+    norm, which every rank holds whole (replicated, like vLLM's)."""
+    tensors = {}
+    for name, t in emap.tensors.items():
+        if name == "norm.weight":
+            tensors[name] = t
+            continue
+        pieces = []
+        for s, n, p, ps in zip(t.hf_start, t.length, t.param, t.param_start):
+            h = n // 2
+            pieces += [(s, h, p, ps), (s + h, n - h, p, ps + h)] if h else [(s, n, p, ps)]
+        mine = pieces[rank::world]
+        tensors[name] = t.model_copy(update={k: [piece[i] for piece in mine] for i, k in
+                                             enumerate(("hf_start", "length", "param", "param_start"))})
+    return emap.model_copy(update={"tensors": tensors, "rank": rank, "world": world})
+
+
+@pytest.fixture
+def ranks(loaded):
+    """Two ranks over one model, each holding part of every tensor but the norm (whole on both)."""
+    ckpt, model, emap, _ = loaded
+    specs = {n: (SAFETENSORS_DTYPES[t.dtype], list(t.shape)) for n, t in ckpt.items()}
+    out = []
+    for r in range(2):
+        live = LiveMap(rank_map(emap, r), model)
+        declared = [n for n in ckpt if n not in live.map.tensors or not live.whole(n)]
+        w = LiveWeights(model, live, specs, {n: tensor_digest(ckpt[n]) for n in declared},
+                        {n: tensor_fingerprint(ckpt[n]).hex() for n in declared}, audit_every=3)
+        w.read_back()
+        out.append(w)
+    c0 = genesis_commitment(state_digest(ckpt))
+    for w in out:
+        w.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
+    return ckpt, model, out, c0
+
+
+def _shards(ranks, full):
+    return [{n: (w.held.fingerprints[n], full[n]) for n in w.split()} for w in ranks]
+
+
+def test_ranks_partial_fingerprints_add_up_and_follow_every_version(ranks):
+    """Each rank stages and writes only its own positions, keeps the partial fingerprint of its
+    elements, and the partials add up to the delta's declared fingerprint."""
+    ckpt, model, ws, c0 = ranks
+    full = {n: tensor_fingerprint(t).hex() for n, t in ckpt.items()}
+    assert set(ws[0].split()) == set(ws[1].split()) == set(ckpt) - {"norm.weight", "lm_head.weight"}
+    assert check_shards(_shards(ws, full)) == []
+    assert ws[0].held.fingerprints["q.weight"] != full["q.weight"]  # a partial, not the whole
+    new = _changed(ckpt, fraction=0.05)
+    delta = _delta(ckpt, new, c0)
+    staged = [w.stage(delta) for w in ws]  # all ranks stage before any writes, as the server does
+    assert check_shards([s.shards for s in staged]) == []
+    assert sum(len(s.patches) for s in staged) > len(staged[0].touched)  # the work is split
+    for w, s in zip(ws, staged):
+        w.commit(s)
+        assert w.audit(s) == []
+    want = {n: tensor_fingerprint(t).hex() for n, t in new.items()}
+    assert check_shards(_shards(ws, want)) == []
+    live = {n: torch.cat([r for _, r in sorted(list(ws[0].live.runs(n)) + list(ws[1].live.runs(n)),
+                                                key=lambda x: x[0])]) for n in ws[0].split()}
+    assert all(torch.equal(live[n].view(torch.int16), new[n].reshape(-1).view(torch.int16)) for n in live)
+    assert all(w.rolling_audit()[1] == [] for w in ws for _ in range(w.audit_every))
+    # a stray write into one rank's share: that rank's rolling audit finds it, the other's does not
+    pos = int(ws[1].live.map.tensors["embed.weight"].hf_start[0])
+    patch_to(ws[1], "embed.weight", pos, new["embed.weight"].reshape(-1).view(torch.int16)[pos] ^ 1)
+    found = [[d for _ in range(w.audit_every) for d in w.rolling_audit()[1]] for w in ws]
+    assert found == [[], ["embed.weight"]]
+
+
+def test_ranks_refuse_a_delta_whose_parts_do_not_add_up(ranks):
+    """Wrong bits underneath positions one rank changes: each rank's own check cannot see it
+    (it holds only a part), the sum over ranks does, before anything is written."""
+    ckpt, model, ws, c0 = ranks
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    other = {n: t.clone() for n, t in ckpt.items()}  # right commitment, wrong bits underneath
+    other["q.weight"].view(-1).view(torch.int16)[:16] ^= 1
+    nxt = {n: t.clone() for n, t in other.items()}
+    nxt["q.weight"].view(-1).view(torch.int16)[:16] ^= 6
+    staged = [w.stage(_delta(other, nxt, c0)) for w in ws]
+    assert check_shards([s.shards for s in staged]) == ["q.weight"]
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert [w.held.version for w in ws] == [0, 0]
+    # overlapping shares cannot add up either: rank 0's share counted twice
+    assert check_shards([staged[0].shards, staged[0].shards]) != []

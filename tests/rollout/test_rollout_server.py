@@ -16,11 +16,10 @@ import pytest
 import torch
 from chain_helpers import FakeTrainer, checkpoint_dir
 from conftest import TOKEN, Server, launch, wait_ready
+from update_helpers import announced_step, live_digest, next_states, perturb, refused, unannounced_steps
 
-from shared.chain import LATEST, Chain, Latest, delta_key, manifest_key, reconstruct, ref_for
 from shared.codec import DeltaFile, encode_delta
 from shared.digest import state_digest
-from shared.stores import open_store
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The quick brown", "Guess the five letter word:", "0 1 2 3"]
@@ -46,12 +45,6 @@ def server(tiny_model_dir: Path, store: Path, trainer, rollout_dir: Path):
     trainer.publisher.replicas.append(s.url)
     yield s
     s.stop()
-
-
-def live_digest(s: Server) -> dict:
-    r = s.get("/weights/digest")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_starts_on_the_base_model_as_version_0(server: Server, trainer: FakeTrainer):
@@ -99,7 +92,7 @@ def test_live_digest_equals_trainer_at_every_step(server: Server, trainer: FakeT
 def test_real_openai_client(server: Server, trainer: FakeTrainer):
     from openai import OpenAI
 
-    v = _announced_step(server, trainer)
+    v = announced_step(server, trainer)
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     c = client.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=6, temperature=0,
                                   logprobs=2, extra_body={"return_token_ids": True})
@@ -117,7 +110,7 @@ def test_real_openai_client(server: Server, trainer: FakeTrainer):
 
 
 def test_concurrent_requests_during_updates_carry_one_version_each(server: Server, trainer: FakeTrainer):
-    start = _announced_step(server, trainer)
+    start = announced_step(server, trainer)
     stop = threading.Event()
     results: list[tuple[int, dict]] = []
     lock = threading.Condition()
@@ -180,102 +173,33 @@ def test_greedy_matches_fresh_server_and_late_replica_catches_up(
         fresh.stop(), late.stop()
 
 
-def _announced_step(server: Server, trainer: FakeTrainer) -> int:
-    """One trainer step that the replica was told about and serves: this test's own version."""
-    report = trainer.step()
-    trainer.publisher.flush()
-    answer = report.replicas[server.url]
-    assert answer.get("version") == report.version, answer
-    return report.version
-
-
-def _unannounced_steps(trainer: FakeTrainer, n: int = 1) -> list:
-    """Trainer steps published with no replica told (as if every notification were lost)."""
-    saved, trainer.publisher.replicas[:] = list(trainer.publisher.replicas), []
-    try:
-        reports = [trainer.step() for _ in range(n)]
-        trainer.publisher.flush()
-    finally:
-        trainer.publisher.replicas[:] = saved
-    return reports
-
-
-# ----------------------------------------------------------------------------- refusals
-
-
-def _publish_raw(store: Path, data: bytes, header) -> None:
-    key = delta_key(header.base_version, header.version)
-    Chain(open_store(str(store))).publish(header, {key: data}, [ref_for("delta", header, key, data)])
-
-
-def _unpublish(store: Path, version: int, back_to: Latest) -> None:
-    s = open_store(str(store))
-    s.delete(manifest_key(version))
-    s.delete(delta_key(version - 1, version))
-    s.put(LATEST, back_to.model_dump_json().encode())
-
-
-def _refused(server: Server, store: Path, data: bytes, header, status: int, reason: str) -> None:
-    before = live_digest(server)
-    latest = Chain(open_store(str(store))).latest()
-    _publish_raw(store, data, header)
-    try:
-        r = server.update()
-        assert r.status_code == status, r.text
-        body = r.json()
-        assert body["refused"]["reason"] == reason and body["accepted"] is False
-        assert body["version"] == before["version"]
-        after = live_digest(server)
-        assert after["state_digest"] == before["state_digest"] and after["version"] == before["version"]
-        assert server.complete()["policy_version"] == before["version"]
-        metrics = server.get("/metrics").text
-        assert f'deltasync_updates_refused_total{{reason="{reason}"}}' in metrics
-    finally:
-        _unpublish(store, header.version, latest)
-
-
-def _perturb(state: dict[str, torch.Tensor], seed: int = 7) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    new = {}
-    for n, t in state.items():
-        flip = torch.rand(t.shape, generator=g) < 0.05
-        new[n] = torch.where(flip, (t.float() * 1.01 + 1e-3).to(t.dtype), t)
-    return new
-
-
-def _next_states(store: Path):
-    chain = Chain(open_store(str(store)))
-    state, header = reconstruct(chain, chain.latest().version)
-    return state, _perturb(state), header
-
-
 def test_damaged_delta_is_refused_and_previous_version_served(server: Server, store: Path):
-    state, new, h = _next_states(store)
+    state, new, h = next_states(store)
     data = encode_delta(state, new, version=h.version + 1, base_version=h.version,
                         base_commitment=h.commitment)
     header = DeltaFile.from_bytes(data).header
     damaged = bytearray(data)
     damaged[-3] ^= 0x40  # inside the last blob: its blake3 no longer matches the header
-    _refused(server, store, bytes(damaged), header, 422, "corrupt")
+    refused(server, store, bytes(damaged), header, 422, "corrupt")
 
 
-def test_wrong_base_delta_is_refused(server: Server, store: Path):
-    state, new, h = _next_states(store)
+def test_wrong_base_delta_isrefused(server: Server, store: Path):
+    state, new, h = next_states(store)
     other = {n: t.clone() for n, t in state.items()}
     other["model.norm.weight"].view(torch.int16)[0] ^= 1
     data = encode_delta(other, new, version=h.version + 1, base_version=h.version,
                         base_commitment=h.commitment[::-1])  # built on some other chain
-    _refused(server, store, data, DeltaFile.from_bytes(data).header, 409, "wrong_base")
+    refused(server, store, data, DeltaFile.from_bytes(data).header, 409, "wrong_base")
 
 
 def test_delta_that_would_not_reach_its_digest_is_refused_before_writing(server: Server, store: Path):
-    state, _, h = _next_states(store)
+    state, _, h = next_states(store)
     other = {n: t.clone() for n, t in state.items()}  # right commitment, wrong base bits
     other["model.layers.0.mlp.down_proj.weight"].view(-1).view(torch.int16)[:50] ^= 3
-    new = _perturb(other)  # most of the 50 stay as in `other`, which this replica does not hold
+    new = perturb(other)  # most of the 50 stay as in `other`, which this replica does not hold
     data = encode_delta(other, new, version=h.version + 1, base_version=h.version,
                         base_commitment=h.commitment)
-    _refused(server, store, data, DeltaFile.from_bytes(data).header, 422, "digest_mismatch")
+    refused(server, store, data, DeltaFile.from_bytes(data).header, 422, "digest_mismatch")
 
 
 def test_unauthorized_update_is_401(server: Server):
@@ -290,7 +214,7 @@ def test_pause_resume_and_update_without_waiting(server: Server, trainer: FakeTr
     assert server.get("/is_paused").json() == {"is_paused": True}
     assert server.post("/resume", headers=auth).json() == {"status": "resumed"}
     assert server.get("/is_paused").json() == {"is_paused": False}
-    (report,) = _unannounced_steps(trainer)  # told below
+    (report,) = unannounced_steps(trainer)  # told below
     r = server.post("/update?wait=false", json={"version": report.version}, headers=auth)
     assert r.status_code == 202
     # one update at a time: this waits for the one started above, then has nothing to do
@@ -305,7 +229,7 @@ def test_pause_resume_and_update_without_waiting(server: Server, trainer: FakeTr
 def test_in_flight_update_when_asked_spans_two_versions(server: Server, trainer: FakeTrainer):
     """mode=keep: a request in flight continues on the new weights and says so, token by token."""
     before = server.get("/version").json()["version"]
-    (report,) = _unannounced_steps(trainer)  # told below
+    (report,) = unannounced_steps(trainer)  # told below
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(timeout=120) as c, c.stream(
             "POST", server.url + "/v1/completions",
@@ -331,7 +255,7 @@ def test_in_flight_update_when_asked_spans_two_versions(server: Server, trainer:
 def test_catch_up_over_several_versions_pauses_once(server: Server, trainer: FakeTrainer):
     """Deltas the replica missed are squashed and applied in one pause."""
     held = server.get("/version").json()["version"]
-    reports = _unannounced_steps(trainer, 3)
+    reports = unannounced_steps(trainer, 3)
     r = server.update()
     assert r.status_code == 200, r.text
     body = r.json()
