@@ -31,6 +31,7 @@ response can say which policy version generated it, token span by token span.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextvars
 import json
 import logging
@@ -45,14 +46,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 from shared.chain import Chain
+from shared.digest import state_digest_from_entries
 from shared.errors import DeltaError
 from shared.lock import process_alive
 from shared.schemas import PauseMode, Refusal, StepReport, UpdateResponse
 from shared.stores import open_store
 
 from . import metrics
-from .replica import check_shards
+from .replica import DIGEST_PASSES, check_shards
 
 log = logging.getLogger("rollout_space.engine")
 EXTENSION = "rollout_space.worker.DeltaWorkerExtension"
@@ -60,7 +64,6 @@ BASE_LABEL = "base"  # weight version label before the chain names a version
 DAMAGED_LABEL = "damaged"  # weights of no version (a failed dense load): no response names a version
 PROBE_TOKENS = 16  # length of the write-through probe's prompt
 PROBE_SEED = 20261129  # its token ids: a fixed draw from the vocabulary, the same on every replica
-DIGEST_PASSES = 3  # a live digest interrupted by writes this often holds the write lock for its last pass
 PROBE_HOLD_S = 120.0  # longest wait for in-flight requests before an on-demand probe is refused
 
 # Per request: the weight-version spans of each finished choice, filled by the wrapped generate.
@@ -97,10 +100,6 @@ def _tensor_digest_of(answers: list[dict], held: str, numel: int) -> str:
     """A tensor's digest from every rank's ``deltasync_tensor`` answer: a copy that differs from
     the held digest wins over one that matches it (every copy must match); parts held by ranks
     are put together in checkpoint order (a gap or an overlap gives no digest at all)."""
-    import base64
-
-    import blake3
-
     found = {a["digest"] for a in answers if "digest" in a}
     parts = [a for a in answers if "runs" in a]
     if parts:
@@ -876,8 +875,6 @@ class RolloutEngine:
                 return None
             held[name] = ranks[0]["held"]
             digests[name] = _tensor_digest_of(ranks, held[name], math.prod(shape))
-        from shared.digest import state_digest_from_entries
-
         sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in self.specs.items()})
         return {"state_digest": sd, "version": key[0], "commitment": key[1], "held_state_digest": held_state_digest,
                 "mismatched": sorted(n for n in digests if digests[n] != held[n])}

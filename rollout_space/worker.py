@@ -20,6 +20,7 @@ must happen before the model is loaded; vLLM imports worker extensions at worker
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import logging
@@ -43,11 +44,10 @@ from shared.errors import DeltaError
 
 from .cpu_weights import keep_plain_cpu_weights
 from .mapping import EngineMap, LiveMap, build_map, checkpoint_specs, map_key, param_specs
-from .replica import LiveWeights, Staged
+from .replica import DIGEST_PASSES, LiveWeights, Staged
 
 keep_plain_cpu_weights()
 log = logging.getLogger("rollout_space.worker")
-DIGEST_PASSES = 3  # a digest interrupted by writes this often holds the lock for its last pass
 
 
 def _ok(**result: Any) -> str:
@@ -251,8 +251,6 @@ class DeltaWorkerExtension:
         """One tensor for a live digest under tensor parallelism, read under the weights lock:
         its blake3 digest when this rank holds it whole, else this rank's runs (checkpoint start,
         length) and their bytes (base64), for the server to put together; with the held digest."""
-        import base64
-
         try:
             st = self._ds()
             w = st.weights

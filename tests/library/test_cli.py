@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import torch
 
@@ -12,13 +10,13 @@ from shared.checkpoint import load_state, save_state
 from shared.digest import state_digest
 from shared.fingerprint import state_fingerprint_of
 
+from .cli_process import run_cli
 from .helpers import perturb
 
-CLI = [sys.executable, "-m", "shared.cli"]
 
 
 def run(*args, ok=True):
-    p = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=300)
+    p = run_cli(args)
     assert (p.returncode == 0) == ok, p.stdout + p.stderr
     return p
 

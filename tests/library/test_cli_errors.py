@@ -6,7 +6,6 @@ unwrapped, free of progress bars, and JSON on request; --help says what a user n
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,24 +17,15 @@ import torch
 from shared.checkpoint import load_state, save_state
 from shared.digest import state_digest
 
-CLI = [sys.executable, "-m", "shared.cli"]
+from .cli_process import isolated_env as _env
+from .cli_process import run_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 LONG = "model.layers.0.mlp." + "very_long_module_name_" * 5 + "weight"  # > 80 columns on its own
 
 
-def _env(**extra: str) -> dict[str, str]:
-    """No credentials, no terminal width, nothing that reaches a network."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("AWS_", "HF_", "DELTASYNC_")) and k not in ("COLUMNS", "LINES", "SPACE_ID")}
-    env |= {"PYTHONPATH": str(ROOT), "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-            "AWS_CONFIG_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true",
-            "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    return env | extra
-
-
 def deltasync(cwd: Path, *args, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=_env(**env))
+    return run_cli(args, cwd=cwd, env=_env(**env))
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:

@@ -19,6 +19,7 @@ from shared.fingerprint import (
     ZERO,
     Fingerprint,
     fingerprint_delta,
+    fingerprint_deltas,
     fingerprints,
     state_fingerprint,
     state_fingerprint_of,
@@ -127,6 +128,26 @@ def test_incremental_update_equals_recompute(dtype, shape, fraction, seed, backe
     # unchanged positions included add nothing
     every = torch.arange(old.numel())
     assert fingerprint_delta(every, old.reshape(-1), new.reshape(-1), width, backend=backend) == delta
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtypes=st.lists(st.sampled_from(DTYPES), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_batched_updates_equal_one_at_a_time(dtypes, seed):
+    """One numba call for many tensors (what a replica's staging makes) gives each its own update,
+    whatever mix of widths (64-bit ones go one at a time) and empty pieces."""
+    items = []
+    for k, dtype in enumerate(dtypes):
+        old = random_tensor(dtype, (37,), seed + k).reshape(-1)
+        new = perturb({"t": old}, 0.2 * (k % 3), seed + k + 100)["t"].reshape(-1)
+        pos = torch.randperm(37, generator=torch.Generator().manual_seed(seed + k))[: 5 * (k % 4)]
+        items.append((pos, old[pos], new[pos], 8 * old.element_size()))
+    assert fingerprint_deltas(items) == [fingerprint_delta(*item) for item in items]
+    assert fingerprint_deltas([]) == []
+    bad = items[0][0].clone()
+    if bad.numel():
+        bad[0] = -1
+        with pytest.raises(ValueError, match=">= 0"):
+            fingerprint_deltas([(bad, *items[0][1:])])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -17,6 +17,7 @@ from shared.lock import LOCK_KEY, Holder, WriterLock, read_holder
 from shared.publisher import DeltaPublisher, PublishError
 from shared.stores import open_store
 
+from .cli_process import run_cli
 from .helpers import same_bits
 from .test_chain import ROOT, FlakyStore, drifting, publish_chain
 
@@ -218,12 +219,10 @@ def test_fsck_repair_waits_for_no_live_writer(tmp_path):
 
 # ---------------------------------------------------------------------------------------- the CLI
 
-CLI = [sys.executable, "-m", "shared.cli"]
 
 
 def deltasync(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return run_cli(args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def checkpoints(folder, n: int) -> list[str]:

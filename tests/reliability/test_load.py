@@ -42,7 +42,6 @@ class Size:
     label: str = ""  # tells its rows apart in the reliability table
 
 
-SHORT = Size(requests=48, versions=4, concurrency=6, per_version=3, timeout_s=600)
 LONG = Size(requests=2000, versions=60, concurrency=16, per_version=6, timeout_s=3000, label=" (long run)")
 
 
@@ -279,10 +278,6 @@ def load_during_updates(tiny_model_dir: Path, tmp_path: Path, size: Size, tally)
         if server is not None:
             server.stop()
         trainer.close()
-
-
-def test_load_during_updates(tiny_model_dir: Path, tmp_path: Path, tally):
-    load_during_updates(tiny_model_dir, tmp_path, SHORT, tally)
 
 
 @pytest.mark.long

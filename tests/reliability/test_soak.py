@@ -215,12 +215,6 @@ def _final_checks(trainer: DriftingTrainer, store: str, followers: list[Reader],
 
 
 @pytest.mark.slow
-def test_soak_30_versions(tally, tiny_model_dir: Path, tmp_path: Path):
-    out = soak(30, seed=30, readers=3, replicas=1, tally=tally, model_dir=tiny_model_dir, workdir=tmp_path)
-    assert out["deltas"] > 0 and out["rebuilds"] >= 3, out
-
-
-@pytest.mark.slow
 @pytest.mark.long
 def test_soak_200_versions(tally, tiny_model_dir: Path, tmp_path: Path, capsys):
     with capsys.disabled():  # the progress bar reaches the terminal
