@@ -51,8 +51,8 @@ class Replica:
         st.version, st.commitment, st.state_digest, st.status = 4, "c4", "d4", "ready"
         self.fail_rpc, self.audit_bad = set(fail_rpc), list(audit_bad)
         self.released: list[str] = []
-        self.eng.rpc = self.rpc
-        self.eng.job = self.job
+        self.eng.rpc, self.eng.rpc_all = self.rpc, self.rpc_all
+        self.eng.job, self.eng.job_all = self.job, self.job_all
         self.eng.chain = SimpleNamespace(manifest=lambda v: SimpleNamespace(commitment=f"c{v}",
                                                                              state_digest=f"d{v}"))
 
@@ -67,12 +67,18 @@ class Replica:
             return {"version": 4, "commitment": "c4", "state_digest": "d4"}
         return {"commit_s": 0.0, "load_s": 0.0, "verify_s": 0.0}
 
+    async def rpc_all(self, method: str, *args: str) -> list[dict]:  # one rank
+        return [await self.rpc(method, *args)]
+
+    async def job_all(self, kind: str, arg: str = "") -> list[dict]:
+        return [await self.job(kind, arg)]
+
     async def job(self, kind: str, arg: str = "") -> dict:
         self.events.append((kind,))
         if kind == "stage":
             return {"stage_s": 0.0, "changed": 1, "stage": "S1"}
         if kind == "audit":
-            return {"bad": self.audit_bad, "rolled": 0, "drifted": []}
+            return {"bad": self.audit_bad, "rolled": 0, "drifted": [], "audit_s": 0.0, "rolling_s": 0.0}
         return {}
 
     def delta(self, tmp_path):
