@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Server, launch, wait_ready
+from conftest import launch, wait_ready
 from stray_worker import TENSOR_ENV
+from update_helpers import metric
 
 from shared.chain import AnchorPolicy
 from shared.checkpoint import load_state
@@ -23,13 +24,6 @@ from shared.publisher import DeltaPublisher
 pytestmark = pytest.mark.slow
 STRAY = "model.norm.weight"  # the deltas below never change it
 TRAINED = "model.layers.0.mlp.down_proj.weight"
-
-
-def metric(s: Server, name: str) -> float:
-    for line in s.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 def test_rolling_audit_finds_a_stray_write_and_an_anchor_heals_it(tiny_model_dir: Path, tmp_path: Path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from chain_helpers import FakeTrainer
 from conftest import Server, launch, wait_ready
-from update_helpers import announced_step, live_digest, next_states, perturb, refused, unannounced_steps
+from update_helpers import announced_step, live_digest, metric, next_states, perturb, refused, unannounced_steps
 
 from shared.codec import DeltaFile, encode_delta
 
@@ -46,16 +46,9 @@ def server(tiny_model_dir: Path, store: Path, trainer, rollout_dir: Path):
     s.stop()
 
 
-def _metric(server: Server, name: str) -> float:
-    for line in server.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {name} in /metrics")
-
-
 def test_two_ranks_serve_the_checkpoint_and_every_version_exactly(server: Server, trainer: FakeTrainer):
-    assert _metric(server, "deltasync_engine_ranks") == 2
-    assert _metric(server, "deltasync_split_tensors") > 0  # e.g. the embedding, q, o, gate, up, down
+    assert metric(server, "deltasync_engine_ranks") == 2
+    assert metric(server, "deltasync_split_tensors") > 0  # e.g. the embedding, q, o, gate, up, down
     d = live_digest(server)
     assert d["state_digest"] == trainer.publisher.chain.manifest(server.get("/version").json()["version"]).state_digest
     for i in range(3):
@@ -68,8 +61,8 @@ def test_two_ranks_serve_the_checkpoint_and_every_version_exactly(server: Server
         assert (d["version"], d["state_digest"], d["matches_held"]) == (report.version, report.state_digest, True)
         assert server.complete()["policy_version"] == report.version
     trainer.publisher.compact = False
-    assert _metric(server, "deltasync_rolling_audit_mismatches_total") == 0
-    assert _metric(server, "deltasync_rolling_audit_tensors_total") > 0
+    assert metric(server, "deltasync_rolling_audit_mismatches_total") == 0
+    assert metric(server, "deltasync_rolling_audit_tensors_total") > 0
 
 
 def test_two_ranks_catch_up_over_several_versions(server: Server, trainer: FakeTrainer):

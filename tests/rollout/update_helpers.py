@@ -18,6 +18,13 @@ def live_digest(s: Server) -> dict:
     return r.json()
 
 
+def metric(s: Server, name: str) -> float:
+    for line in s.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
 def announced_step(server: Server, trainer: FakeTrainer) -> int:
     """One trainer step that the replica was told about and serves: this test's own version."""
     report = trainer.step()
