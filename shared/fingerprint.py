@@ -228,13 +228,9 @@ def fingerprint_deltas(items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.T
             raise ValueError("each item needs one old and one new element per index")
         bounds = np.zeros(len(members) + 1, dtype=np.int64)
         np.cumsum([a.shape[0] for a in idx], out=bounds[1:])
-        lanes = np.zeros((len(members), 4), dtype=np.uint64)
-        _, delta_kernel = _kernels()
-        if not delta_kernel(torch.cat(idx).to(torch.int64).numpy(), _np_words(torch.cat(olds), width),
-                            _np_words(torch.cat(news), width), width, bounds, lanes):
-            raise ValueError("indices must be >= 0")
-        for i, row in zip(members, lanes.tolist()):
-            out[i] = Fingerprint(tuple(row))
+        fps = _numba_segments(torch.cat(idx).to(torch.int64), torch.cat(olds), torch.cat(news), width, bounds)
+        for i, fp in zip(members, fps):
+            out[i] = fp
     return out  # type: ignore[return-value]
 
 
@@ -416,9 +412,15 @@ def _numba_range(words: torch.Tensor, start: int, width: int, threads: bool, chu
 
 
 def _numba_delta(idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor, width: int) -> Fingerprint:
+    return _numba_segments(idx, old, new, width, np.array([0, idx.shape[0]], dtype=np.int64))[0]
+
+
+def _numba_segments(idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor, width: int,
+                    bounds: np.ndarray) -> list[Fingerprint]:
+    """One update per segment ``bounds[k]:bounds[k+1]`` of the (word) indices and bits."""
     _, delta_kernel = _kernels()
-    out = np.zeros((1, 4), dtype=np.uint64)
+    out = np.zeros((bounds.shape[0] - 1, 4), dtype=np.uint64)
     if not delta_kernel((idx if idx.is_contiguous() else idx.contiguous()).numpy(), _np_words(old, width),
-                        _np_words(new, width), width, np.array([0, idx.shape[0]], dtype=np.int64), out):
+                        _np_words(new, width), width, bounds, out):
         raise ValueError("indices must be >= 0")
-    return Fingerprint(tuple(out[0].tolist()))
+    return [Fingerprint(tuple(row)) for row in out.tolist()]
