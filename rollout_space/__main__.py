@@ -129,6 +129,11 @@ def parse_args(argv: list[str] | None = None):
     if current_platform.is_cpu() and args.kv_cache_memory_bytes is None:
         # vLLM's default reserves 92% of the NUMA node for the KV cache; a Space shares the box.
         args.kv_cache_memory_bytes = int(os.environ.get("DELTASYNC_CPU_KV_BYTES", 1 << 30))
+    if current_platform.is_cpu() and args.tensor_parallel_size == 1:
+        # vLLM's CPU platform otherwise runs the single worker in a third process, spawned with a
+        # fresh import of vLLM: on this 2-core machine start-up goes from ~76 s to ~40 s, and every
+        # collective_rpc loses a hop. The worker then lives inside EngineCore, as on GPU at TP=1.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return args
 
 

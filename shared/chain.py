@@ -29,6 +29,7 @@ import torch
 from pydantic import BaseModel, ValidationError, field_validator
 
 from .codec import DeltaFile, Header, read_header
+from .digest import file_digest
 from .errors import DeltaError, first_line
 from .stores import Store
 
@@ -133,9 +134,8 @@ def _one_line(e: ValueError) -> str:
 def ref_for(kind: Literal["anchor", "delta"], header: Header, key: str, data: bytes | Path) -> ObjectRef:
     if isinstance(data, bytes):
         size, digest = len(data), blake3.blake3(data).hexdigest()
-    else:  # an anchor file: hashed from disk, never read into memory whole
-        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(data)
-        size, digest = Path(data).stat().st_size, hasher.hexdigest()
+    else:  # an anchor file
+        size, digest = Path(data).stat().st_size, file_digest(data)
     return ObjectRef(kind=kind, version=header.version, base_version=header.base_version, key=key,
                      size=size, blake3=digest)
 
@@ -228,11 +228,8 @@ class Chain:
             raise DeltaError("missing", f"v{ref.version} is the external checkpoint {ref.external!r}")
         with self._checking(ref):
             path = self.store.download(ref.key, path)
-            size = path.stat().st_size
-            digest = (blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(str(path)) if size
-                      else blake3.blake3()).hexdigest()
             try:
-                _check(ref, size, digest)
+                _check(ref, path.stat().st_size, file_digest(path))
                 self._agrees(ref, read_header(path))
             except DeltaError:
                 path.unlink(missing_ok=True)

@@ -84,6 +84,9 @@ def _undo(old: np.ndarray, found: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}
+# A forked child (a DataLoader worker, a zygote's command) inherits the pools but not their
+# threads: work submitted there would wait forever. It starts pools of its own instead.
+os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def _pool(kind: str) -> ThreadPoolExecutor:

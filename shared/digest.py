@@ -12,6 +12,7 @@ Other tools recompute these, so the byte-level definitions here are the contract
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import blake3
 import torch
@@ -49,10 +50,23 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy())
 
 
+def _threads(nbytes: int) -> int:
+    """Same digest either way; blake3's thread pool pays off only on megabytes (and a process
+    that never starts it can fork safely: a forked child inherits the pool but not its threads)."""
+    return blake3.blake3.AUTO if nbytes >= 1 << 22 else 1
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     data = raw_bytes(t)
-    threads = blake3.blake3.AUTO if len(data) >= 1 << 22 else 1  # same digest, more cores
-    return blake3.blake3(data, max_threads=threads).hexdigest()
+    return blake3.blake3(data, max_threads=_threads(len(data))).hexdigest()
+
+
+def file_digest(path: str | Path) -> str:
+    """blake3 of a file read through mmap, never in memory whole (anchors are as large as the model)."""
+    size = Path(path).stat().st_size
+    if not size:  # an empty file cannot be mapped
+        return blake3.blake3().hexdigest()
+    return blake3.blake3(max_threads=_threads(size)).update_mmap(str(path)).hexdigest()
 
 
 def shape_text(shape: Iterable[int]) -> str:

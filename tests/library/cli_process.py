@@ -1,7 +1,6 @@
 """``deltasync`` commands for the tests, each in its own process forked from one zygote
-(``cli_zygote.py``: same CLI, a process per command, without a cold start each time). A command
-whose ``HF_*`` settings differ from the zygote's starts cold, since huggingface_hub reads them
-once, at import."""
+(``cli_zygote.py``: same CLI, a process per command, without a cold start each time). There is
+one zygote per set of ``HF_*`` settings, since huggingface_hub reads them once, at import."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 _lock = threading.Lock()
-_zygote: subprocess.Popen | None = None
-_replies: queue.Queue = queue.Queue()
+_zygotes: dict[tuple[tuple[str, str], ...], _Zygote] = {}
 
 
 def isolated_env(**extra: str) -> dict[str, str]:
@@ -32,20 +30,29 @@ def isolated_env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-def _import_time(env: Mapping[str, str]) -> dict[str, str]:
+def _import_time(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """The settings huggingface_hub reads once, at import (endpoint, offline mode, ...)."""
-    return {k: v for k, v in env.items() if k.startswith("HF_")}
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith("HF_")))
 
 
-def _start() -> subprocess.Popen:
-    global _zygote, _replies
-    if _zygote is None or _zygote.poll() is not None:
-        _zygote = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))], cwd=ROOT,
-                                   env=isolated_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        _replies = queue.Queue()
+class _Zygote:
+    """One zygote process and the replies it sends back, for one set of import-time settings."""
+
+    def __init__(self, settings: tuple[tuple[str, str], ...]):
+        env = {k: v for k, v in isolated_env().items() if not k.startswith("HF_")} | dict(settings)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))], cwd=ROOT,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.replies: queue.Queue = queue.Queue()
         threading.Thread(target=lambda out, q: [q.put(json.loads(line)) for line in out],
-                         args=(_zygote.stdout, _replies), daemon=True).start()
-    return _zygote
+                         args=(self.proc.stdout, self.replies), daemon=True).start()
+
+
+def _zygote(settings: tuple[tuple[str, str], ...]) -> _Zygote:
+    """The live zygote for these settings, started on first use (or again, if it died)."""
+    z = _zygotes.get(settings)
+    if z is None or z.proc.poll() is not None:
+        z = _zygotes[settings] = _Zygote(settings)
+    return z
 
 
 def run_cli(args, *, cwd: str | Path = ROOT, env: Mapping[str, str] | None = None,
@@ -54,21 +61,17 @@ def run_cli(args, *, cwd: str | Path = ROOT, env: Mapping[str, str] | None = Non
     :func:`subprocess.run` with ``capture_output=True, text=True`` would report it."""
     argv = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
-    if _import_time(env) != _import_time(isolated_env()):  # the zygote's imports read other settings
-        return subprocess.run([sys.executable, "-m", "shared.cli", *argv], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=timeout)
     with _lock, tempfile.TemporaryDirectory(prefix="deltasync-cli-") as tmp:
-        z = _start()
+        z = _zygote(_import_time(env))
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        request = {"argv": argv, "cwd": str(cwd), "env": env,
-                   "stdout": str(out), "stderr": str(err)}
-        z.stdin.write(json.dumps(request) + "\n")
-        z.stdin.flush()
-        pid = _replies.get(timeout=60)["pid"]
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+        z.proc.stdin.write(json.dumps(request) + "\n")
+        z.proc.stdin.flush()
+        pid = z.replies.get(timeout=60)["pid"]
         try:
-            code = _replies.get(timeout=timeout)["code"]
+            code = z.replies.get(timeout=timeout)["code"]
         except queue.Empty:
             os.kill(pid, signal.SIGKILL)
-            _replies.get(timeout=60)
+            z.replies.get(timeout=60)
             raise subprocess.TimeoutExpired(["deltasync", *argv], timeout) from None
         return subprocess.CompletedProcess(["deltasync", *argv], code, out.read_text(), err.read_text())

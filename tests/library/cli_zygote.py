@@ -18,11 +18,13 @@ stdout, ``{"pid": N}`` once the child runs and ``{"code": N}`` when it has exite
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
 import runpy
 import sys
+import tempfile
 
 
 def _run(request: dict) -> None:
@@ -57,9 +59,34 @@ def _run(request: dict) -> None:
     raise SystemExit(0)
 
 
-def main() -> None:
-    import shared.cli  # noqa: F401 - what it imports stays imported, for every child
+def _warm(cli) -> None:
+    """Run a diff, an apply, two pushes and a pull of a small bf16 + fp32 state here, once: each
+    numba kernel's first call in a process loads it from the cache (~1 s a command otherwise),
+    and every child inherits the loaded kernels."""
+    import torch
+    from shared.checkpoint import save_state
 
+    with tempfile.TemporaryDirectory(prefix="deltasync-warm-") as tmp, \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        g = torch.Generator().manual_seed(0)
+        a = {"w": torch.randn(256, 256, generator=g).bfloat16(), "m": torch.randn(4096, generator=g)}
+        b = {k: t.clone() for k, t in a.items()}
+        for t in b.values():
+            t.view(-1)[::97] += 1e-2
+        save_state(a, f"{tmp}/a.safetensors")
+        save_state(b, f"{tmp}/b.safetensors")
+        for argv in (["diff", "a.safetensors", "b.safetensors", "-o", "d.safetensors"],
+                     ["apply", "a.safetensors", "d.safetensors", "-o", "c.safetensors"],
+                     ["push", "store", "a.safetensors"], ["push", "store", "b.safetensors"],
+                     ["pull", "store", "-o", "p.safetensors"], ["digest", "p.safetensors"]):
+            cli.app([argv[0], *(f"{tmp}/{x}" if "." in x or x == "store" else x for x in argv[1:])],
+                    standalone_mode=False)
+
+
+def main() -> None:
+    import shared.cli  # what it imports stays imported, for every child
+
+    _warm(shared.cli)
     del sys.modules["shared.cli"]  # while each child runs the module itself afresh, as -m does
 
     replies = os.fdopen(os.dup(1), "w")

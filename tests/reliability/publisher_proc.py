@@ -27,6 +27,14 @@ from shared.stores import Store, open_store
 
 POLICY = AnchorPolicy(max_deltas=3)  # anchors at v0, v3, v6, ...
 SHAPES = {f"layer{i}.weight": (128, 128) for i in range(3)} | {"norm.weight": (128,)}
+_STDOUT = threading.Lock()
+
+
+def say(line: str) -> None:
+    """One whole line to the test: the main thread and the uploader both talk, and print() writes
+    the text and its newline apart, so unguarded lines can interleave ("queued v6holding ...")."""
+    with _STDOUT:
+        print(line, flush=True)
 
 
 def states(n: int) -> list[dict[str, torch.Tensor]]:
@@ -53,7 +61,7 @@ class GatedStore(Store):
         tmp = super()._local_tmp(path, data)
         if self.hold in path:
             if self.skip == 0:
-                print(f"holding {path[len(self.root) + 1:]} {tmp}", flush=True)
+                say(f"holding {path[len(self.root) + 1:]} {tmp}")
                 threading.Event().wait()  # until the test kills this process
             self.skip -= 1
         return tmp
@@ -73,9 +81,9 @@ def main() -> None:
     for state in wanted[1:]:
         for k, t in live.items():
             t.copy_(state[k])
-        print(f"queued v{pub.publish().version}", flush=True)
+        say(f"queued v{pub.publish().version}")
     pub.close()  # never returns while an upload is held
-    print("closed", flush=True)
+    say("closed")
 
 
 if __name__ == "__main__":
