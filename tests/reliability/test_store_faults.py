@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from library.cli_process import run_cli
 from library.helpers import perturb, same_bits
 from rollout.chain_helpers import FakeTrainer
 
@@ -38,7 +39,6 @@ from shared.publisher import DeltaPublisher, PublishError
 from shared.stores import open_store
 
 PUBLISHER_PROC = Path(__file__).with_name("publisher_proc.py")
-CLI = [sys.executable, "-m", "shared.cli"]
 
 
 @contextlib.contextmanager
@@ -52,12 +52,8 @@ def injected(tally, case: str) -> Iterator[None]:
         tally.fault(case, survived=survived)
 
 
-def deltasync(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], cwd=REPO, check=False, capture_output=True, text=True, timeout=300)
-
-
 def fsck_json(store: Path, *flags: str) -> dict:
-    r = deltasync("fsck", str(store), "--json", *flags)
+    r = run_cli(["fsck", store, "--json", *flags])
     assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
     report = json.loads(r.stdout)
     assert report["ok"] == (r.returncode == 0), report  # the exit status says it too

@@ -1,7 +1,8 @@
 """A tensor-parallel replica (``--tensor-parallel-size 2``, vLLM on CPU, one OMP thread per rank)
 follows a trainer exactly: each rank stages and writes only its own shard, the ranks' partial
-fingerprints must add up before any rank writes, and ``/weights/digest`` puts every split tensor
-together from both ranks to hash it with blake3.
+fingerprints must add up before any rank writes (and after each rank loads its shard of an
+anchor), and ``/weights/digest`` puts every split tensor together from both ranks to hash it
+with blake3.
 
 One replica for the module; each test starts from whatever version it serves and publishes its
 own versions on top.
@@ -98,3 +99,24 @@ def test_two_ranks_refuse_bad_deltas_and_keep_serving(server: Server, trainer: F
     refused(server, store, data, DeltaFile.from_bytes(data).header, 422, "digest_mismatch")
     assert live_digest(server)["matches_held"]
     assert announced_step(server, trainer) == h.version + 1  # and the next good version lands
+
+
+def test_two_ranks_load_an_anchor_whole(server: Server, trainer: FakeTrainer):
+    """Two steps that change every element: the chain anchors, and catching up over both is
+    cheaper through the newest anchor than through two model-sized deltas. Each rank loads its
+    shard of the file; the ranks' parts must add up to the file's fingerprints."""
+    start = announced_step(server, trainer)
+    lr, trainer.lr = trainer.lr, 0.5
+    try:
+        reports = unannounced_steps(trainer, 2)
+    finally:
+        trainer.lr = lr
+    r = server.update()
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [(s["kind"], s["version"]) for s in body["steps"]] == [("anchor", start + 2)], body["steps"]
+    assert (body["version"], body["state_digest"]) == (reports[-1].version, reports[-1].state_digest)
+    d = live_digest(server)
+    assert (d["version"], d["state_digest"], d["matches_held"]) == (start + 2, reports[-1].state_digest, True)
+    assert announced_step(server, trainer) == start + 3  # a delta lands on top of the loaded anchor
+    assert live_digest(server)["state_digest"] == trainer.publisher.state_digest
