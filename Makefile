@@ -11,8 +11,12 @@ $(SETUP): pyproject.toml scripts/setup.sh
 demo: $(SETUP)  ## the main job on embedded defaults: local-folder bucket, tiny local model, vLLM on CPU
 	$(PY) -m trainer_space --local --max-steps 20 --run-dir runs/demo --ui --host 127.0.0.1 --port 7860
 
+# Test files run in parallel, each whole on one worker (its module-scoped servers start once).
+# Most tests wait on a server starting; two workers keep both of CI's two cores busy.
+TEST_WORKERS ?= 2
+
 test: $(SETUP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 reliability: $(SETUP)  ## faults, load, soak and bad input; prints one table, writes runs/reliability.json
 	DELTASYNC_RELIABILITY_JSON=runs/reliability.json $(PY) -m pytest -q -m '' tests/reliability

@@ -9,8 +9,8 @@ came through it:
     tally.input("delta: truncated body", refused=True)
 
 Survived means: a valid, exact version served afterwards and nothing lost; refused means: a clear
-error and nothing changed. Counts are recorded as they happen, so a failing test still shows
-how far it got.
+error and nothing changed. Counts are recorded as they happen and reported when the test ends,
+so a failing test still shows how far it got.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,10 +60,17 @@ _TALLIES: list[Tally] = []
 
 
 @pytest.fixture
-def tally(request) -> Tally:
+def tally(request) -> Iterator[Tally]:
     t = Tally(request.node.nodeid)
-    _TALLIES.append(t)
-    return t
+    yield t
+    # handed over with the test's report: with pytest-xdist the table is printed by another process
+    request.node.user_properties.append(("tally", [asdict(r) for r in t.rows.values()]))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, rows in report.user_properties if report.when == "teardown" else ():
+        if key == "tally":
+            _TALLIES.append(Tally(report.nodeid, {(r["kind"], r["case"]): Row(**r) for r in rows}))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
