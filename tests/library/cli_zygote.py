@@ -7,8 +7,8 @@ Each command is a child of this process: its own pid, working folder, environmen
 (so what it reads from the environment at import, e.g. ``DELTASYNC_DEBUG``, is the command's),
 and its exit the interpreter's own (a traceback and status 1 for an uncaught exception, threads
 joined, atexit handlers run) up to the teardown of modules, which it skips.
-What differs from a cold start: modules the CLI imports stay imported, so anything *they* read
-from the environment at import time (huggingface_hub's endpoint) comes from this process's
+What differs from a cold start: modules the CLI imports stay imported (and numba's kernels
+loaded, see :func:`_warm`), so anything *they* read from the environment at import time (huggingface_hub's endpoint) comes from this process's
 environment, which the caller sets when it starts it.
 
 Protocol: one JSON request per line on stdin (argv, cwd, env, stdout, stderr: paths); back on
@@ -62,25 +62,25 @@ def _run(request: dict) -> None:
 def _warm(cli) -> None:
     """Run a diff, an apply, two pushes and a pull of a small bf16 + fp32 state here, once: each
     numba kernel's first call in a process loads it from the cache (~1 s a command otherwise),
-    and every child inherits the loaded kernels."""
+    and every child inherits the loaded kernels. The files stay far below the 4 MiB at which
+    blake3 starts its thread pool, which a forked child would inherit without its threads."""
     import torch
     from shared.checkpoint import save_state
 
     with tempfile.TemporaryDirectory(prefix="deltasync-warm-") as tmp, \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        a, b, c, d, p = (f"{tmp}/{name}.safetensors" for name in "abcdp")
+        store = f"{tmp}/store"
         g = torch.Generator().manual_seed(0)
-        a = {"w": torch.randn(256, 256, generator=g).bfloat16(), "m": torch.randn(4096, generator=g)}
-        b = {k: t.clone() for k, t in a.items()}
-        for t in b.values():
+        old = {"w": torch.randn(256, 256, generator=g).bfloat16(), "m": torch.randn(4096, generator=g)}
+        new = {k: t.clone() for k, t in old.items()}
+        for t in new.values():
             t.view(-1)[::97] += 1e-2
-        save_state(a, f"{tmp}/a.safetensors")
-        save_state(b, f"{tmp}/b.safetensors")
-        for argv in (["diff", "a.safetensors", "b.safetensors", "-o", "d.safetensors"],
-                     ["apply", "a.safetensors", "d.safetensors", "-o", "c.safetensors"],
-                     ["push", "store", "a.safetensors"], ["push", "store", "b.safetensors"],
-                     ["pull", "store", "-o", "p.safetensors"], ["digest", "p.safetensors"]):
-            cli.app([argv[0], *(f"{tmp}/{x}" if "." in x or x == "store" else x for x in argv[1:])],
-                    standalone_mode=False)
+        save_state(old, a)
+        save_state(new, b)
+        for argv in (["diff", a, b, "-o", d], ["apply", a, d, "-o", c], ["push", store, a], ["push", store, b],
+                     ["pull", store, "-o", p], ["digest", p]):
+            cli.app(argv, standalone_mode=False)
 
 
 def main() -> None:
