@@ -24,7 +24,6 @@ import pytest
 from reliability.tally import Tally
 
 
-
 @pytest.fixture
 def tally(request) -> Iterator[Tally]:
     t = Tally(request.node.nodeid)
