@@ -57,8 +57,8 @@ from pathlib import Path
 import torch
 
 from shared.apply import Patch, check_base
-from shared.changes import INT_VIEW
-from shared.codec import DeltaFile, Header, TensorChange
+from shared.changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced
+from shared.codec import DeltaFile, Header, TensorChange, combine
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
@@ -103,6 +103,11 @@ class Staged:
     @property
     def touched(self) -> list[str]:
         return sorted({p.name for p in self.patches})
+
+
+def _landed(p: Patch) -> bool:
+    """Whether the patch's target holds its new bits (read back)."""
+    return torch.equal(p.target if p.positions is None else p.target.index_select(0, p.positions), p.new)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -194,41 +199,50 @@ class LiveWeights:
                 raise DeltaError("shape_mismatch", f"{name} changes but the engine does not hold it")
 
     def stage(self, delta: DeltaFile, *, predict: bool = True) -> Staged:
+        """Decode and gather tensor by tensor, on the tensor threads from
+        :data:`~shared.changes.THREADS_FROM_CHANGES` changes on (the kernels release the GIL, and
+        a gather waits on memory, which a second thread overlaps), then predict every touched
+        tensor's fingerprint at once. ``timings``: ``stage_s`` is wall time; ``decode_s`` and
+        ``gather_s`` are summed over the threads."""
         t0 = time.perf_counter()
         header = delta.header
         self.check(header)
-        patches: list[Patch] = []
-        pending: list[tuple[str, list]] = []  # tensors whose fingerprint after the write is predicted
-        changed = 0
-        t_decode = t_gather = t_predict = 0.0
+        delta.verify()  # once, before the threads decode
+        names = [n for n, e in header.tensors.items()
+                 if e.encoding != "same" and n in self.live.map.tensors]  # a tie alias is checked above
         with torch.no_grad():
-            it = iter(delta.changes(base=self.live.read))
-            while True:
-                a = time.perf_counter()
-                change = next(it, None)
-                t_decode += time.perf_counter() - a
-                if change is None:
-                    break
-                if change.name not in self.live.map.tensors:
-                    continue  # a tie alias, checked above
-                a = time.perf_counter()
-                pieces = self._patches_for(change)
+            staged = map_balanced(lambda n: self._stage_tensor(delta, n), names,
+                                  [header.tensors[n].changed for n in names], serial_below=THREADS_FROM_CHANGES)
+            patches: list[Patch] = []
+            pending: list[tuple[str, list]] = []  # tensors whose fingerprint after the write is predicted
+            t_decode = t_gather = t_predict = 0.0
+            for name, change, pieces, decode_s, gather_s in staged:
                 patches += [p for p, _, _, _ in pieces]
-                changed += header.tensors[change.name].changed
-                t_gather += time.perf_counter() - a
+                t_decode, t_gather = t_decode + decode_s, t_gather + gather_s
                 # a tensor held in part: its held partial must follow, predict or not
-                if not self.live.whole(change.name) or predict and self._incremental(change, pieces):
-                    pending.append((change.name, pieces))
+                if not self.live.whole(name) or predict and self._incremental(change, pieces):
+                    pending.append((name, pieces))
                 elif predict:  # sent whole: by a scratch copy and its blake3 digest
                     a = time.perf_counter()
-                    self._predict_whole(change, pieces, header.tensors[change.name].digest)
+                    self._predict_whole(change, pieces, header.tensors[name].digest)
                     t_predict += time.perf_counter() - a
             a = time.perf_counter()
             shards = self._predict(header, pending)
             t_predict += time.perf_counter() - a
+        changed = sum(header.tensors[n].changed for n in names)
         return Staged(header, patches, changed, shards, timings={
             "decode_s": t_decode, "gather_s": t_gather, "predict_s": t_predict,
             "stage_s": time.perf_counter() - t0})
+
+    def _stage_tensor(self, delta: DeltaFile, name: str) -> tuple:
+        """(name, change, pieces, decode seconds, gather seconds) of one changed tensor."""
+        with torch.no_grad():  # per thread
+            a = time.perf_counter()
+            base = self.live.read(name) if delta.header.tensors[name].positions == "classed" else None
+            change = delta.change(name, base)
+            b = time.perf_counter()
+            pieces = self._patches_for(change)
+        return name, change, pieces, b - a, time.perf_counter() - b
 
     def _patches_for(self, change: TensorChange) -> list[tuple[Patch, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
         """(patch, checkpoint positions or None for all, old and new checkpoint bits) per parameter."""
@@ -249,8 +263,7 @@ class LiveWeights:
                 new_ck = (full if pl.select is None else full[pl.select]).to(dev)
             else:
                 bits = (change.bits if pl.select is None else change.bits[pl.select]).to(dev)
-                # the codec's own rule (xor, add, set, ...) for this parameter's share
-                new_ck = TensorChange(change.name, change.mode, None, bits).new_bits(old_ck)
+                new_ck = combine(change.mode, old_ck, bits)  # the codec's own rule (xor, add, set)
             new = new_ck if same else new_ck.view(ck_dtype).to(flat.dtype)
             positions = change.positions
             if pl.select is not None:
@@ -348,12 +361,9 @@ class LiveWeights:
         whose engine parameter is no longer the model's (empty: the bits landed in the parameters;
         see the module docstring for what this does not prove). O(changes)."""
         unbound = set(self.unbound())
-        bad = set()
-        with torch.no_grad():
-            for p in staged.patches:
-                back = p.target if p.positions is None else p.target.index_select(0, p.positions)
-                if not torch.equal(back, p.new):
-                    bad.add(p.name)
+        landed = map_balanced(_landed, staged.patches, [p.new.numel() for p in staged.patches],
+                              serial_below=THREADS_FROM_CHANGES)
+        bad = {p.name for p, ok in zip(staged.patches, landed) if not ok}
         for n in staged.touched:
             params = {self.live.map.params[i].name for i in self.live.map.tensors[n].param}
             if params & unbound:
@@ -369,20 +379,18 @@ class LiveWeights:
         k = -(-len(order) // self.audit_every)
         names = [order[(self._audit_next + i) % len(order)] for i in range(min(k, len(order)))]
         self._audit_next = (self._audit_next + k) % len(order)
-        return names, [n for n in names if self.fingerprint(n) != self.held.fingerprints.get(n)]
+        fps = map_balanced(self.fingerprint, names, [self.live.map.tensors[n].numel for n in names])
+        return names, [n for n, fp in zip(names, fps) if fp != self.held.fingerprints.get(n)]
 
     # ------------------------------------------------------------------ write-through probe
     def unbound(self) -> list[str]:
         """Engine parameters the map writes into that the model no longer holds as bound at
         start-up (replaced by another parameter, or its data moved to other storage): writes and
         reads through the map would miss what the model computes with."""
+        registered = dict(self.model.named_parameters(remove_duplicate=False))  # one walk, not one per name
         out = []
         for spec, param, flat in zip(self.live.map.params, self.live.params, self.live.flats):
-            try:
-                now = self.model.get_parameter(spec.name)
-            except AttributeError:
-                out.append(spec.name)
-                continue
+            now = registered.get(spec.name)
             if now is not param or now.data.data_ptr() != flat.data_ptr():
                 out.append(spec.name)
         return out

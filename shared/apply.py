@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .changes import INT_VIEW, map_balanced
+from .changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced
 from .codec import DeltaFile, Header, TensorChange
 from .digest import TORCH_DTYPES, tensor_digest
 from .errors import DeltaError
@@ -146,7 +146,8 @@ def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
     def one(name: str) -> Patch | InPlacePatch:
         return make_patch(delta.change(name, target[name]), flat_bits(target[name]), in_place=in_place)
 
-    return map_balanced(one, names, [delta.header.tensors[n].changed for n in names])
+    return map_balanced(one, names, [delta.header.tensors[n].changed for n in names],
+                        serial_below=THREADS_FROM_CHANGES)
 
 
 class _Writes:

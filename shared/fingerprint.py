@@ -29,6 +29,7 @@ input handling, chunking and the 64-bit rule are shared. numba is imported on fi
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ import torch
 from .digest import dtype_name, state_digest_from_entries
 
 MASK64 = (1 << 64) - 1
+_HEX64 = re.compile("[0-9a-f]{64}")
 K = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5)
 M1, M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 WIDTHS = (8, 16, 32, 64)
@@ -90,7 +92,7 @@ class Fingerprint:
 
     @classmethod
     def from_hex(cls, text: str) -> Fingerprint:
-        if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        if not isinstance(text, str) or not _HEX64.fullmatch(text):
             raise ValueError(f"a fingerprint is 64 lowercase hex digits: {text!r}")
         return cls(tuple(int(text[16 * k:16 * k + 16], 16) for k in range(4)))
 
@@ -415,12 +417,29 @@ def _numba_delta(idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor, width:
     return _numba_segments(idx, old, new, width, np.array([0, idx.shape[0]], dtype=np.int64))[0]
 
 
+SPLIT_MIN = 1 << 16  # indices below which an update of several segments stays on one thread
+
+
 def _numba_segments(idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor, width: int,
                     bounds: np.ndarray) -> list[Fingerprint]:
-    """One update per segment ``bounds[k]:bounds[k+1]`` of the (word) indices and bits."""
+    """One update per segment ``bounds[k]:bounds[k+1]`` of the (word) indices and bits; many
+    segments are split into runs of about equal size on the chunk threads."""
+    from .changes import _pool
+
     _, delta_kernel = _kernels()
     out = np.zeros((bounds.shape[0] - 1, 4), dtype=np.uint64)
-    if not delta_kernel((idx if idx.is_contiguous() else idx.contiguous()).numpy(), _np_words(old, width),
-                        _np_words(new, width), width, bounds, out):
+    i, o, n = (idx if idx.is_contiguous() else idx.contiguous()).numpy(), _np_words(old, width), _np_words(new, width)
+    runs = [(0, bounds.shape[0] - 1)]
+    if bounds[-1] >= SPLIT_MIN and bounds.shape[0] > 2:
+        workers = _pool("chunks")._max_workers
+        cuts = np.searchsorted(bounds, np.linspace(0, bounds[-1], workers + 1)[1:-1])
+        edges = sorted({0, *cuts.tolist(), bounds.shape[0] - 1})
+        runs = list(zip(edges[:-1], edges[1:]))
+
+    def run(r: tuple[int, int]) -> bool:
+        return delta_kernel(i, o, n, width, bounds[r[0]:r[1] + 1], out[r[0]:r[1]])
+
+    ok = list(_pool("chunks").map(run, runs)) if len(runs) > 1 else [run(runs[0])]
+    if not all(ok):
         raise ValueError("indices must be >= 0")
     return [Fingerprint(tuple(row)) for row in out.tolist()]

@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shared import apply as apply_module
 from shared.apply import apply_delta
 from shared.codec import DeltaFile, anchor_header, decode_positions, encode_delta, encode_positions
 from shared.digest import state_digest
@@ -48,6 +49,18 @@ def test_roundtrip_is_bit_exact(specs, fraction, seed, compact):
         int((a.reshape(-1).view(torch.uint8).view(-1, a.element_size())
              != b.reshape(-1).view(torch.uint8).view(-1, b.element_size())).any(1).sum())
         for a, b in ((base[n], new[n]) for n in base) if a.numel())
+
+
+@pytest.mark.parametrize("threads_from", [0, 1 << 62], ids=["threads", "serial"])
+def test_apply_on_the_tensor_threads_or_serially_is_the_same(monkeypatch, threads_from):
+    """Small deltas decode on the calling thread, large ones on the tensor threads: both exact."""
+    monkeypatch.setattr(apply_module, "THREADS_FROM_CHANGES", threads_from)
+    shapes = {f"t{i}": ((64, 33), dtype) for i, dtype in enumerate(DTYPES * 2)}
+    base = bits_state(7, shapes)
+    new = perturb(base, 0.05, 8)
+    _, header, target = roundtrip(base, new)
+    assert same_bits(target, new)
+    assert header.state_digest == state_digest(new)
 
 
 def test_special_values_survive():

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shared import fingerprint as fingerprint_module
 from shared.changes import find_changes
 from shared.digest import SAFETENSORS_DTYPES
 from shared.fingerprint import (
@@ -148,6 +149,23 @@ def test_batched_updates_equal_one_at_a_time(dtypes, seed):
         bad[0] = -1
         with pytest.raises(ValueError, match=">= 0"):
             fingerprint_deltas([(bad, *items[0][1:])])
+
+
+def test_batched_updates_split_over_threads(monkeypatch):
+    """A large batch is cut into runs of segments on the chunk threads: each segment still gets
+    its own update, and a negative index in any run is refused."""
+    monkeypatch.setattr(fingerprint_module, "SPLIT_MIN", 1)
+    items = []
+    for k in range(7):
+        old = random_tensor(torch.bfloat16, (64,), k).reshape(-1)
+        new = perturb({"t": old}, 0.3, k + 100)["t"].reshape(-1)
+        pos = torch.arange(0, 64, k + 1)
+        items.append((pos, old[pos], new[pos], 16))
+    assert fingerprint_deltas(items) == [fingerprint_delta(*item) for item in items]
+    bad = items[-1][0].clone()
+    bad[-1] = -1
+    with pytest.raises(ValueError, match=">= 0"):
+        fingerprint_deltas(items[:-1] + [(bad, *items[-1][1:])])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
