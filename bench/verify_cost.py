@@ -6,7 +6,8 @@ process), medians of ``--reps`` repetitions of:
 
 * **stage**: decode, map to engine parameters, gather the old bits, compute the new ones and
   predict every touched tensor's fingerprint (``LiveWeights.stage``; the replica does this while
-  serving);
+  serving; its split into decode, gather and predict sums decode and gather over the tensor
+  threads, so the parts can add up to more than the wall time);
 * **write**: the paused ``index_copy_`` of the staged bits (``LiveWeights.commit``);
 * **read-back**: the written positions read back (``LiveWeights.audit``);
 * **rolling**: the rolling audit's slice of whole-tensor fingerprints (1/K of the tensors, K = 8
