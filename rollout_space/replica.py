@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from shared.apply import Patch, check_base
-from shared.changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced
+from shared.changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced, map_batches
 from shared.codec import DeltaFile, Header, TensorChange, combine
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
@@ -199,7 +199,7 @@ class LiveWeights:
                 raise DeltaError("shape_mismatch", f"{name} changes but the engine does not hold it")
 
     def stage(self, delta: DeltaFile, *, predict: bool = True) -> Staged:
-        """Decode and gather tensor by tensor, on the tensor threads from
+        """Decode (one numba call per batch of tensors) and gather, on the tensor threads from
         :data:`~shared.changes.THREADS_FROM_CHANGES` changes on (the kernels release the GIL, and
         a gather waits on memory, which a second thread overlaps), then predict every touched
         tensor's fingerprint at once. ``timings``: ``stage_s`` is wall time; ``decode_s`` and
@@ -210,39 +210,39 @@ class LiveWeights:
         delta.verify()  # once, before the threads decode
         names = [n for n, e in header.tensors.items()
                  if e.encoding != "same" and n in self.live.map.tensors]  # a tie alias is checked above
+        times: list[tuple[float, float]] = []  # (decode, gather) per batch
+
+        def batch(members: list[str]) -> list[tuple[TensorChange, list]]:
+            with torch.no_grad():  # per thread
+                a = time.perf_counter()
+                changes = delta.decode(members, base=self.live.read)
+                b = time.perf_counter()
+                out = [(c, self._patches_for(c)) for c in changes]
+            times.append((b - a, time.perf_counter() - b))
+            return out
+
+        staged = map_batches(batch, names, [header.tensors[n].changed for n in names],
+                             serial_below=THREADS_FROM_CHANGES)
+        patches: list[Patch] = []
+        pending: list[tuple[str, list]] = []  # tensors whose fingerprint after the write is predicted
+        t_predict = 0.0
         with torch.no_grad():
-            staged = map_balanced(lambda n: self._stage_tensor(delta, n), names,
-                                  [header.tensors[n].changed for n in names], serial_below=THREADS_FROM_CHANGES)
-            patches: list[Patch] = []
-            pending: list[tuple[str, list]] = []  # tensors whose fingerprint after the write is predicted
-            t_decode = t_gather = t_predict = 0.0
-            for name, change, pieces, decode_s, gather_s in staged:
+            for change, pieces in staged:
                 patches += [p for p, _, _, _ in pieces]
-                t_decode, t_gather = t_decode + decode_s, t_gather + gather_s
                 # a tensor held in part: its held partial must follow, predict or not
-                if not self.live.whole(name) or predict and self._incremental(change, pieces):
-                    pending.append((name, pieces))
+                if not self.live.whole(change.name) or predict and self._incremental(change, pieces):
+                    pending.append((change.name, pieces))
                 elif predict:  # sent whole: by a scratch copy and its blake3 digest
                     a = time.perf_counter()
-                    self._predict_whole(change, pieces, header.tensors[name].digest)
+                    self._predict_whole(change, pieces, header.tensors[change.name].digest)
                     t_predict += time.perf_counter() - a
             a = time.perf_counter()
             shards = self._predict(header, pending)
             t_predict += time.perf_counter() - a
         changed = sum(header.tensors[n].changed for n in names)
         return Staged(header, patches, changed, shards, timings={
-            "decode_s": t_decode, "gather_s": t_gather, "predict_s": t_predict,
+            "decode_s": sum(d for d, _ in times), "gather_s": sum(g for _, g in times), "predict_s": t_predict,
             "stage_s": time.perf_counter() - t0})
-
-    def _stage_tensor(self, delta: DeltaFile, name: str) -> tuple:
-        """(name, change, pieces, decode seconds, gather seconds) of one changed tensor."""
-        with torch.no_grad():  # per thread
-            a = time.perf_counter()
-            base = self.live.read(name) if delta.header.tensors[name].positions == "classed" else None
-            change = delta.change(name, base)
-            b = time.perf_counter()
-            pieces = self._patches_for(change)
-        return name, change, pieces, b - a, time.perf_counter() - b
 
     def _patches_for(self, change: TensorChange) -> list[tuple[Patch, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
         """(patch, checkpoint positions or None for all, old and new checkpoint bits) per parameter."""

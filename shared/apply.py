@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced
+from .changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced, map_batches
 from .codec import DeltaFile, Header, TensorChange
 from .digest import TORCH_DTYPES, tensor_digest
 from .errors import DeltaError
@@ -143,11 +143,12 @@ def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
     names = [n for n, e in delta.header.tensors.items() if e.encoding != "same"]
     delta.verify()  # once, before the threads decode
 
-    def one(name: str) -> Patch | InPlacePatch:
-        return make_patch(delta.change(name, target[name]), flat_bits(target[name]), in_place=in_place)
+    def batch(members: list[str]) -> list[Patch | InPlacePatch]:
+        return [make_patch(c, flat_bits(target[c.name]), in_place=in_place)
+                for c in delta.decode(members, base=target.__getitem__)]
 
-    return map_balanced(one, names, [delta.header.tensors[n].changed for n in names],
-                        serial_below=THREADS_FROM_CHANGES)
+    return map_batches(batch, names, [delta.header.tensors[n].changed for n in names],
+                       serial_below=THREADS_FROM_CHANGES)
 
 
 class _Writes:

@@ -35,7 +35,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -49,9 +49,11 @@ from pydantic import BaseModel, ValidationError
 
 from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, Changes, find_changes, map_balanced, unsigned_view
 from .entropy import (
+    ALPHABET,
     decode_ints_into,
     encode_ints,
     estimate_ints,
+    ints_sections,
     rice_decode,
     rice_encode,
     zstd_compress,
@@ -657,6 +659,24 @@ def combine(mode: str, old_bits: torch.Tensor, bits: torch.Tensor) -> torch.Tens
     return bits
 
 
+def _sparse_failure(code: int, numel: int) -> str:
+    """What ``kernels.decode_sparse``'s failure code means, in the words of the one-blob decoders."""
+    from . import kernels as k
+
+    return {k.RICE_K: "Rice parameter out of range", k.RICE_SHORT: "Rice-coded blob ends early",
+            k.RICE_OUTSIDE: f"positions run outside a tensor of {numel} elements",
+            k.ANS_SHORT: "entropy-coded blob: the code or its raw bits run out",
+            k.ANS_WIDE: "entropy-coded blob: value wider than its element",
+            k.ANS_TABLE: "entropy-coded blob: symbol table does not add up"}[code]
+
+
+def _offsets(blobs: list[np.ndarray]) -> np.ndarray:
+    """Where each blob starts in their concatenation, and where the last ends."""
+    at = np.zeros(len(blobs) + 1, dtype=np.int64)
+    np.cumsum([b.shape[0] for b in blobs], out=at[1:])
+    return at
+
+
 IN_MEMORY_MAX = 1 << 28  # files up to this size are read whole; larger ones (anchors) by tensor
 
 
@@ -765,6 +785,55 @@ class DeltaFile:
         vals = decode_value_bits(e.encoding, self._blob(name, VAL), count, UNSIGNED_NP[iv],
                                  e.coders.get(VAL, "zstd"))
         return TensorChange(name, e.encoding, positions, torch.from_numpy(vals.view(SIGNED_NP[iv])))
+
+    def decode(self, names: Iterable[str], base: Callable[[str], torch.Tensor] | None = None) -> list[TensorChange | None]:
+        """:meth:`change` of each name, in order; ``base(name)`` is asked for only where positions
+        are coded against the base. Tensors in the default coding (Rice-coded positions,
+        rANS-coded values) are decoded together, one numba call per element width: a call per
+        blob costs tens of microseconds of Python, most of decoding a delta of 0.1% of a model."""
+        names = list(names)
+        out: dict[str, TensorChange | None] = {}
+        batches: dict[torch.dtype, list[str]] = {}
+        for name in names:
+            e = self.header.tensors[name]
+            if e.encoding in VALUE_CODERS and e.positions == "gaps" and e.coders.get(POS) == "rice" \
+                    and e.coders.get(VAL) == "ans":
+                batches.setdefault(INT_VIEW[TORCH_DTYPES[e.dtype]], []).append(name)
+            else:
+                out[name] = self.change(name, base(name) if base and e.positions == "classed" else None)
+        for iv, members in batches.items():
+            out.update(zip(members, self._decode_sparse(members, iv)))
+        return [out[n] for n in names]
+
+    def _decode_sparse(self, members: list[str], iv: torch.dtype) -> list[TensorChange]:
+        from .kernels import decode_sparse
+
+        count = len(members)
+        pos_blobs = [self._blob(n, POS) for n in members]
+        val_blobs = [self._blob(n, VAL) for n in members]
+        tables = np.empty((count, ALPHABET), dtype=np.uint16)
+        code_at, raw_at = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+        entries = [self.header.tensors[n] for n in members]
+        at = 0
+        for t, blob in enumerate(val_blobs):
+            tables[t], code, raw = ints_sections(blob)
+            code_at[t], raw_at[t] = at + code, at + raw
+            at += blob.shape[0]
+        counts = np.array([e.changed for e in entries], dtype=np.int64)
+        limits = np.array([e.numel for e in entries], dtype=np.int64)
+        zig = np.array([e.encoding == "add" for e in entries], dtype=np.bool_)
+        bounds = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        positions = np.empty(int(bounds[-1]), dtype=np.int64)
+        values = np.empty(int(bounds[-1]), dtype=UNSIGNED_NP[iv])
+        failed, why = decode_sparse(np.concatenate(pos_blobs), _offsets(pos_blobs), np.concatenate(val_blobs),
+                                    _offsets(val_blobs), code_at, raw_at, tables, counts, limits, zig,
+                                    torch.iinfo(iv).bits, positions, values)
+        if failed >= 0:
+            raise DeltaError("corrupt", f"{members[failed]}: {_sparse_failure(why, int(limits[failed]))}")
+        pos, vals = torch.from_numpy(positions), torch.from_numpy(values.view(SIGNED_NP[iv]))
+        return [TensorChange(n, e.encoding, pos[a:b], vals[a:b])
+                for n, e, a, b in zip(members, entries, bounds[:-1].tolist(), bounds[1:].tolist())]
 
     def changes(self, base: Callable[[str], torch.Tensor] | None = None) -> Iterator[TensorChange]:
         """Every change; ``base(name)`` is asked for a base tensor only where one is needed."""

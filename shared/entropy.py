@@ -39,6 +39,11 @@ def zstd_decompress(blob, size: int) -> bytes:
     if not hasattr(_ZSTD, "d"):
         _ZSTD.d = zstandard.ZstdDecompressor()
     try:
+        # a frame that declares its size is decompressed into that much memory whatever
+        # max_output_size says: a damaged size field would ask for terabytes (MemoryError)
+        declared = zstandard.frame_content_size(blob)
+        if declared not in (-1, size):
+            raise DeltaError("corrupt", f"zstd frame declares {declared} bytes, expected {size}")
         out = _ZSTD.d.decompress(blob, max_output_size=size)
     except zstandard.ZstdError as e:
         raise DeltaError("corrupt", f"zstd: {e}") from None
@@ -98,23 +103,31 @@ def decode_ints(blob, count: int) -> np.ndarray:
     return decode_ints_into(blob, np.empty(count, dtype=np.uint64))
 
 
+def ints_sections(blob) -> tuple[np.ndarray, int, int]:
+    """An entropy-coded blob's symbol frequencies, and where its rANS code and its raw bits start."""
+    try:
+        n_table, n_code, n_raw = _HEAD.unpack_from(blob, 0)
+    except struct.error as e:
+        raise DeltaError("corrupt", f"entropy-coded blob: {e}") from None
+    at = _HEAD.size
+    if at + n_table + n_code + n_raw != len(blob):
+        raise DeltaError("corrupt", "entropy-coded blob: section sizes do not add up")
+    table = np.frombuffer(zstd_decompress(blob[at:at + n_table], 2 * ALPHABET), dtype="<u2")
+    return table, at + n_table, at + n_table + n_code
+
+
 def decode_ints_into(blob, out: np.ndarray, zigzag: bool = False) -> np.ndarray:
     """Decode ``len(out)`` values into the unsigned ``out`` (elements' width: a wider value is
     damage), or with ``zigzag`` the signed values they zigzag-code, wrapping into ``out``."""
     from . import kernels
 
     blob = memoryview(blob).cast("B")
+    table, code_at, raw_at = ints_sections(blob)
+    if out.shape[0] == 0:
+        return out
     try:
-        n_table, n_code, n_raw = _HEAD.unpack_from(blob, 0)
-        at = _HEAD.size
-        if at + n_table + n_code + n_raw != len(blob):
-            raise ValueError("section sizes do not add up")
-        table = np.frombuffer(zstd_decompress(blob[at:at + n_table], 2 * ALPHABET), dtype="<u2")
-        if out.shape[0] == 0:
-            return out
-        at += n_table
-        code = np.frombuffer(blob[at:at + n_code], dtype=np.uint8)
-        raw = np.frombuffer(blob[at + n_code:], dtype=np.uint8)
+        code = np.frombuffer(blob[code_at:raw_at], dtype=np.uint8)
+        raw = np.frombuffer(blob[raw_at:], dtype=np.uint8)
         status = kernels.rans_decode_values(code, table, raw, zigzag, 8 * out.itemsize, out)
         if status:
             raise ValueError({-1: "the code or its raw bits run out", -2: "value wider than its element",

@@ -1,10 +1,12 @@
-"""The rolling audit against a real rollout server (vLLM on CPU, tiny Qwen3).
+"""The audits against a real rollout server (vLLM on CPU, tiny Qwen3).
 
 A test-only worker extension (``stray_worker.StrayWriteExtension``) flips one bit of a tensor no
 delta touches, right after the first delta is written. The read-back audit of each delta's own
 positions cannot see it; the rolling audit (``--audit-every 2``: every tensor re-read whole every
 2 versions) must, within 2 versions: the replica then says it is damaged (503, the reason in
 ``/version`` and ``/metrics``), and the next update re-syncs it from an anchor, exact again.
+Another (``RebindExtension``) swaps a written parameter for a new object: the read-back audit's
+check that the parameters are still the model's must refuse the delta and revert it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import launch, wait_ready
-from stray_worker import TENSOR_ENV
+from stray_worker import REBIND_ENV, TENSOR_ENV
 from update_helpers import metric
 
 from shared.chain import AnchorPolicy
@@ -64,5 +66,32 @@ def test_rolling_audit_finds_a_stray_write_and_an_anchor_heals_it(tiny_model_dir
             live = s.get("/weights/digest").json()
             assert live["state_digest"] == pub.state_digest and live["version"] == report.version
             assert s.get("/version").json()["status"] == "ready"
+        finally:
+            s.stop()
+
+
+def test_a_parameter_swapped_for_a_new_object_is_refused_and_reverted(tiny_model_dir: Path, tmp_path: Path):
+    state = {n: t.float() for n, t in load_state(tiny_model_dir).items()}
+    g = torch.Generator().manual_seed(1)
+    with DeltaPublisher(state, str(tmp_path / "bucket"), external_base=str(tiny_model_dir)) as pub:
+        pub.flush()
+        base_digest = pub.state_digest
+        s = wait_ready(launch(tiny_model_dir, tmp_path / "bucket", tmp_path,
+                              worker="stray_worker.RebindExtension", env={REBIND_ENV: TRAINED}))
+        try:
+            served = s.get("/version").json()["version"]
+            with torch.no_grad():
+                state[TRAINED].add_(torch.randn(state[TRAINED].shape, generator=g).sign_() * 2e-3)
+            report = pub.publish()
+            pub.flush()
+            refused = s.update(report.version)
+            assert refused.status_code == 422, refused.text
+            why = refused.json()["refused"]
+            assert why["reason"] == "digest_mismatch" and "read back wrong" in why["message"], why
+            assert TRAINED in why["message"] and "reverted" in why["message"]
+            assert s.get("/version").json()["version"] == served
+            live = s.get("/weights/digest").json()  # read through the map: the old object, reverted
+            assert live["state_digest"] == base_digest and live["version"] == served
+            assert 'deltasync_updates_refused_total{reason="digest_mismatch"} 1.0' in s.get("/metrics").text
         finally:
             s.stop()
