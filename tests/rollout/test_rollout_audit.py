@@ -28,6 +28,15 @@ STRAY = "model.norm.weight"  # the deltas below never change it
 TRAINED = "model.layers.0.mlp.down_proj.weight"
 
 
+def train_step(state: dict[str, torch.Tensor], g: torch.Generator, pub: DeltaPublisher):
+    """A step that changes TRAINED only, published and uploaded: its report."""
+    with torch.no_grad():
+        state[TRAINED].add_(torch.randn(state[TRAINED].shape, generator=g).sign_() * 2e-3)
+    report = pub.publish()
+    pub.flush()
+    return report
+
+
 def test_rolling_audit_finds_a_stray_write_and_an_anchor_heals_it(tiny_model_dir: Path, tmp_path: Path):
     state = {n: t.float() for n, t in load_state(tiny_model_dir).items()}
     g = torch.Generator().manual_seed(0)
@@ -40,10 +49,7 @@ def test_rolling_audit_finds_a_stray_write_and_an_anchor_heals_it(tiny_model_dir
             assert metric(s, "deltasync_audit_period_versions") == 2
             answers = []
             for _ in range(3):  # v1 lands, then the stray write; the audits of v1 and v2 cover every tensor
-                with torch.no_grad():
-                    state[TRAINED].add_(torch.randn(state[TRAINED].shape, generator=g).sign_() * 2e-3)
-                report = pub.publish()
-                pub.flush()
+                report = train_step(state, g, pub)
                 answers.append(s.update(report.version))
                 if answers[-1].status_code != 200:
                     break
@@ -56,10 +62,7 @@ def test_rolling_audit_finds_a_stray_write_and_an_anchor_heals_it(tiny_model_dir
             assert s.post("/v1/completions", json={"model": s.model, "prompt": "hi", "max_tokens": 2}).status_code == 503
             assert metric(s, "deltasync_rolling_audit_mismatches_total") == 1
             # the next version anchors (max_deltas=3 or the replica's re-sync plan): exact again
-            with torch.no_grad():
-                state[TRAINED].add_(torch.randn(state[TRAINED].shape, generator=g).sign_() * 2e-3)
-            report = pub.publish()
-            pub.flush()
+            report = train_step(state, g, pub)
             healed = s.update(report.version)
             assert healed.status_code == 200, healed.text
             assert healed.json()["state_digest"] == report.state_digest
@@ -80,10 +83,7 @@ def test_a_parameter_swapped_for_a_new_object_is_refused_and_reverted(tiny_model
                               worker="stray_worker.RebindExtension", env={REBIND_ENV: TRAINED}))
         try:
             served = s.get("/version").json()["version"]
-            with torch.no_grad():
-                state[TRAINED].add_(torch.randn(state[TRAINED].shape, generator=g).sign_() * 2e-3)
-            report = pub.publish()
-            pub.flush()
+            report = train_step(state, g, pub)
             refused = s.update(report.version)
             assert refused.status_code == 422, refused.text
             why = refused.json()["refused"]
