@@ -7,7 +7,9 @@ a fresh process so its peak memory is its own. Medians over the steps after Adam
 
 The encode speed that matters is the time ``DeltaPublisher.publish()`` holds the training loop,
 measured for a bf16 model and, separately, for fp32 master weights (the cast to bf16 included),
-each against a memcpy of the bf16 model's bytes.
+each against a memcpy of the bf16 model's bytes. The encoder thread's time after it (digests
+of the touched tensors, fingerprints in O(changes), entropy coding, the delta file) is reported
+beside it: it runs while the next step trains, but it is CPU the trainer's host spends per version.
 
     python -m bench.codec [--quick] [--large] [--only 26M,79M]
 """
@@ -111,13 +113,14 @@ def run_case(case: Case) -> dict:
         base = {n: t.clone() for n, t in snap.items()}
         for n, t in new.items():
             bf16_model[n].copy_(t)
-        hold = {}
+        hold, behind = {}, {}  # publish() holding the loop; the encoder thread after it
         for kind, pub in publishers.items():
             t0 = time.perf_counter()
             published = pub.publish()
             hold[kind] = time.perf_counter() - t0
             published.wait(600)  # its upload must not run into the timings below
             assert published.kind == "delta", published.kind
+            behind[kind] = published.encoder_s
         t0 = time.perf_counter()
         encoded = {n: encode_tensor(n, snap[n], new[n], update=True, digest="0" * 64) for n in new}
         encode_s = time.perf_counter() - t0
@@ -178,6 +181,7 @@ def run_case(case: Case) -> dict:
             "encode_vs_memcpy": copy_s / encode_s, "digest_GBps": dense / digest_s / 1e9,
             "publish_bf16_s": hold["bf16"], "publish_fp32_s": hold["fp32"], "memcpy_s": copy_s,
             "publish_bf16_vs_memcpy": copy_s / hold["bf16"], "publish_fp32_vs_memcpy": copy_s / hold["fp32"],
+            "encoder_bf16_s": behind["bf16"], "encoder_fp32_s": behind["fp32"],
             "apply_s": apply_s, "dense_load_s": dense_s, "index_copy_s": floor_s,
             "compact_B_per_change": len(compact) / max(changed, 1),
             "compact_encode_GBps": dense / compact_encode_s / 1e9, "compact_apply_s": compact_apply_s,
@@ -223,7 +227,7 @@ def report(results: list[dict]) -> None:
     speed = Table(title="speed: encode and publish() vs memcpy, apply (decode + scatter) vs dense load and "
                         "index_copy_")
     for col in ["case", "encode GB/s", "memcpy GB/s", "encode/memcpy", "publish bf16 ms", "publish fp32 ms",
-                "memcpy/publish bf16", "memcpy/publish fp32", "digest GB/s", "apply ms",
+                "encoder thread bf16 ms", "memcpy/publish bf16", "memcpy/publish fp32", "digest GB/s", "apply ms",
                 "dense load ms", "index_copy_ ms", "apply/index_copy_", "apply/dense",
                 "compact encode GB/s", "compact apply ms", "peak RSS MB"]:
         speed.add_column(col, justify="right")
@@ -236,7 +240,8 @@ def report(results: list[dict]) -> None:
                      f"{m['int32_bf16_B_per_change'] / m['compact_B_per_change']:.2f}x")
         speed.add_row(r["case"], f"{m['encode_GBps']:.2f}", f"{m['memcpy_GBps']:.2f}",
                       f"{m['encode_vs_memcpy']:.2f}x", f"{m['publish_bf16_s'] * 1e3:.1f}",
-                      f"{m['publish_fp32_s'] * 1e3:.1f}", f"{m['publish_bf16_vs_memcpy']:.2f}x",
+                      f"{m['publish_fp32_s'] * 1e3:.1f}", f"{m['encoder_bf16_s'] * 1e3:.1f}",
+                      f"{m['publish_bf16_vs_memcpy']:.2f}x",
                       f"{m['publish_fp32_vs_memcpy']:.2f}x", f"{m['digest_GBps']:.1f}",
                       f"{m['apply_s'] * 1e3:.1f}", f"{m['dense_load_s'] * 1e3:.1f}",
                       f"{m['index_copy_s'] * 1e3:.1f}", f"{m['apply_s'] / m['index_copy_s']:.1f}x",

@@ -88,6 +88,7 @@ def measure_step(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], re
     from shared.changes import find_changes, map_balanced
     from shared.codec import DeltaFile, build_delta, encode_state, save_delta
     from shared.digest import tensor_digest
+    from shared.fingerprint import fingerprints
 
     names = sorted(new)
     sizes = [new[n].numel() * 2 for n in names]
@@ -102,9 +103,11 @@ def measure_step(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], re
         lambda n: find_changes(scratch[n], new[n], threads=False), names, sizes))
     digests = {n: tensor_digest(new[n]) for n in names}
     digest_s = warm_median(lambda: map_balanced(lambda n: tensor_digest(new[n]), names, sizes))
-    encode_s = warm_median(lambda: encode_state(scratch, new, digests=digests))  # detection included
-    header, tensors = build_delta(encode_state(scratch, new, digests=digests), version=1, base_version=0,
-                                  base_commitment="")
+    # detection included; the new fingerprints from the base's in O(changes), as a publisher does
+    fps = fingerprints(scratch)
+    encode_s = warm_median(lambda: encode_state(scratch, new, digests=digests, base_fingerprints=fps))
+    header, tensors = build_delta(encode_state(scratch, new, digests=digests, base_fingerprints=fps), version=1,
+                                  base_version=0, base_commitment="")
     blob = save_delta(header, tensors)
     changed = header.changed
     positions = {n: torch.nonzero(base[n].view(-1).view(torch.int16) != new[n].view(-1).view(torch.int16))

@@ -412,27 +412,32 @@ def encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | 
     are ``new ^ xor``). The entry's fingerprint is ``fingerprint`` when the caller knows it,
     else ``base_fingerprint`` (the old tensor's) updated at the changed positions, else the
     whole new tensor's."""
-    enc = _encode_found(name, new, found, digest=digest, compact=compact)
+    # the new bits at the changed positions, gathered once (a cache miss per change) for the
+    # values and the fingerprint both
+    new_at = unsigned_view(new)[found.positions] if isinstance(found, Changes) else None
+    enc = _encode_found(name, new, found, new_at, digest=digest, compact=compact)
     if not enc.entry.fingerprint:
-        enc.entry.fingerprint = fingerprint or fingerprint_after(new, found, base_fingerprint).hex()
+        enc.entry.fingerprint = fingerprint or fingerprint_after(new, found, base_fingerprint, new_at).hex()
     return enc
 
 
 def fingerprint_after(new: torch.Tensor, found: EncodedTensor | Changes | DenseChange,
-                      base: Fingerprint | None) -> Fingerprint:
+                      base: Fingerprint | None, new_at: np.ndarray | None = None) -> Fingerprint:
     """The new tensor's fingerprint: from the base's in O(changes) where the change is sparse
-    and the base's is known, else from every element."""
+    and the base's is known, else from every element. ``new_at``: the new bits at the changed
+    positions, if the caller has them."""
     if base is not None:
         if isinstance(found, EncodedTensor) and found.entry.encoding == "same":
             return base
         if isinstance(found, Changes):
-            new_at = unsigned_view(new)[found.positions]
+            if new_at is None:
+                new_at = unsigned_view(new)[found.positions]
             return base + fingerprint_delta(found.positions, new_at ^ found.xor, new_at, new.element_size() * 8)
     return tensor_fingerprint(new, threads=False)
 
 
-def _encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | DenseChange, *,
-                  digest: str | None, compact: bool) -> EncodedTensor:
+def _encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | DenseChange,
+                  new_at: np.ndarray | None, *, digest: str | None, compact: bool) -> EncodedTensor:
     if isinstance(found, EncodedTensor):
         return found
     n = unsigned_view(new)
@@ -447,7 +452,7 @@ def _encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes |
         base[pos] ^= xor
         return encode_positions_classed(pos, base, new.dtype)
 
-    return encode_changes(entry, name, pos, xor, lambda k=None: n[pos[:k]], classed if compact else None)
+    return encode_changes(entry, name, pos, xor, lambda k=None: new_at[:k], classed if compact else None)
 
 
 def encode_changes(entry: TensorEntry, name: str, pos: np.ndarray, xor: np.ndarray,
@@ -472,16 +477,20 @@ def encode_changes(entry: TensorEntry, name: str, pos: np.ndarray, xor: np.ndarr
 def encode_state(base: Mapping[str, torch.Tensor],
                  new: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor], *,
                  update: bool = False, digests: Mapping[str, str] | None = None,
+                 base_fingerprints: Mapping[str, Fingerprint] | None = None,
                  progress: bool = False, compact: bool = False) -> dict[str, EncodedTensor]:
     """Encode every tensor of ``base``, several at a time (the kernels and compressors release
     the GIL). ``new`` may be a function of the name, so that e.g. a bf16 cast of fp32 master
-    weights exists for one tensor at a time rather than for the whole model."""
+    weights exists for one tensor at a time rather than for the whole model. ``digests``: of
+    the new tensors, if known; ``base_fingerprints``: of ``base``, if known (a caller that keeps
+    them, as a publisher does, gets the new ones in O(changes) instead of from every element)."""
     names = sorted(base)
     get = new if callable(new) else new.__getitem__
 
     def one(n: str) -> EncodedTensor:
         return encode_tensor(n, base[n], get(n), update=update, threads=False,
-                             digest=digests[n] if digests else None, compact=compact)
+                             digest=digests[n] if digests else None, compact=compact,
+                             base_fingerprint=base_fingerprints[n] if base_fingerprints else None)
 
     from tqdm.auto import tqdm
 

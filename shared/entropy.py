@@ -146,28 +146,27 @@ def decode_ints_into(blob, out: np.ndarray, zigzag: bool = False) -> np.ndarray:
 
 
 def rice_encode(x: np.ndarray, running: bool = False) -> bytes:
-    """One byte of ``k``, then the codes. ``k`` is the size-minimising Rice parameter.
+    """One byte of ``k``, then the codes. ``k`` is the size-minimising Rice parameter, counted
+    exactly for the three around the one the mean value suggests.
 
     With ``running``, ``x`` are sorted int64 positions and the code is of their gaps
     (``x[i] - x[i-1] - 1``, the first from -1), which are never materialised."""
     from . import kernels
 
-    if running:
-        x = np.ascontiguousarray(x, dtype=np.int64)
-        at = np.arange(0, x.shape[0], max(1, x.shape[0] // 65536))
-        s = (x[at] - np.where(at > 0, x[np.maximum(at - 1, 0)], -1) - 1).astype(np.uint64)
+    x = np.ascontiguousarray(x, dtype=np.int64 if running else np.uint64)
+    n = x.shape[0]
+    if not n:
+        mean = 0.0
+    elif running:  # the gaps add up to the last position + 1 - n
+        mean = (int(x[-1]) + 1 - n) / n
     else:
-        x = np.ascontiguousarray(x, dtype=np.uint64)
-        s = x[:: max(1, x.shape[0] // 65536)]  # k is chosen on a sample; the code is exact anyway
-    mean = float(s.mean()) if s.shape[0] else 0.0
+        mean = float(x.mean())
     k0 = max(0, int(np.log2(max(mean * 0.69, 1.0))))
-    sizes = {k: int(np.minimum(s >> np.uint64(k), kernels.RICE_ESCAPE).sum()) + s.shape[0] * (k + 1)
-             for k in range(min(max(0, k0 - 1), 56), min(57, k0 + 2))}
-    k = min(sizes, key=sizes.get)
-    bits, escapes = kernels.rice_bits(x, k, running)
+    (bits, escapes), k = min((kernels.rice_bits(x, k, running), k)
+                             for k in range(min(max(0, k0 - 1), 56), min(57, k0 + 2)))
     out = np.zeros(bits // 8 + 9 * escapes + 2, dtype=np.uint8)
-    n = kernels.rice_pack(x, k, out, running)
-    return bytes([k]) + out[:n].tobytes()
+    used = kernels.rice_pack(x, k, out, running)
+    return bytes([k]) + out[:used].tobytes()
 
 
 def rice_decode(blob, count: int, running: bool = False, limit: int = 1 << 62) -> np.ndarray:

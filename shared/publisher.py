@@ -65,7 +65,7 @@ from .lock import WriterLock
 from .stores import Store, open_store
 
 log = logging.getLogger("deltasync.publisher")
-_ENCODED_FIELDS = frozenset({"kind", "payload_bytes", "commitment", "state_digest"})
+_ENCODED_FIELDS = frozenset({"kind", "payload_bytes", "commitment", "state_digest", "encoder_s"})
 
 
 @dataclass
@@ -78,6 +78,9 @@ class PublishReport:
     dense_bytes: int
     int32_bf16_bytes: int  # the TRL prototype format's size for the same change
     encode_s: float  # how long publish() held the training loop
+    # how long the encoder thread took, off the training loop: fingerprints, digests of the
+    # touched tensors, entropy coding, the delta file (and an anchor when one is due)
+    encoder_s: float = 0.0
     upload_s: float = 0.0
     notify_s: float = 0.0
     commitment: str = ""
@@ -87,7 +90,7 @@ class PublishReport:
     error: str | None = None  # why the upload failed for good ("failed"), or why it was skipped
     dropped: list[int] = field(default_factory=list)  # versions retention deleted after this one landed
     _done: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
-    # set once the encoder filled in kind, payload_bytes, commitment and state_digest
+    # set once the encoder filled in kind, payload_bytes, commitment, state_digest and encoder_s
     _encoded: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
     _waiting: int = field(default=0, repr=False, compare=False)  # replicas yet to answer
     _notify_t0: float = field(default=0.0, repr=False, compare=False)
@@ -371,6 +374,7 @@ class DeltaPublisher:
     def _encode(self, job: _Found) -> _Job:
         """Encode one version from the snapshot, build its delta (and an anchor when the policy
         wants one) and advance the chain's commitment."""
+        t0 = time.perf_counter()
         names = list(job.found)
 
         def one(n: str) -> EncodedTensor:
@@ -399,6 +403,7 @@ class DeltaPublisher:
             report.kind = "delta+anchor"
             self._since_anchor_bytes, self._since_anchor, self._force_anchor = 0, 0, False
         self._commitment, self._state_digest = header.commitment, header.state_digest
+        report.encoder_s = time.perf_counter() - t0
         return _Job(header, objects, refs, report, tmp)
 
     def _encode_where(self, name: str, live: torch.Tensor) -> EncodedTensor:
