@@ -417,14 +417,14 @@ def rans_decode_values(code, table, raw, zig, width, out):  # pragma: no cover
         total += np.int64(table[s])
     if total != 1 << PROB_BITS:
         return -3
-    freq = np.empty(table.shape[0], dtype=np.int64)
-    cum = np.empty(table.shape[0], dtype=np.int64)
-    slot_symbol = np.empty(1 << PROB_BITS, dtype=np.int32)
+    # per slot, one load: the symbol (bits 32-47), its frequency (bits 0-15) and the slot's
+    # offset within the symbol's range (bits 16-31), which the state update needs
+    slots = np.empty(1 << PROB_BITS, dtype=np.uint64)
     at = 0
     for s in range(table.shape[0]):
-        freq[s], cum[s] = table[s], at
+        f = np.uint64(table[s])
         for j in range(np.int64(table[s])):
-            slot_symbol[at + j] = s
+            slots[at + j] = (np.uint64(s) << np.uint64(32)) | (np.uint64(j) << np.uint64(16)) | f
         at += np.int64(table[s])
     if code.shape[0] < 4:
         return -1
@@ -436,9 +436,9 @@ def rans_decode_values(code, table, raw, zig, width, out):  # pragma: no cover
     bit = 0
     limit = raw.shape[0] * 8
     for i in range(count):
-        slot = x & mask
-        s = slot_symbol[slot]
-        x = np.uint64(freq[s]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(cum[s])
+        packed = slots[x & mask]
+        s = np.int64(packed >> np.uint64(32))
+        x = (packed & np.uint64(0xFFFF)) * (x >> np.uint64(PROB_BITS)) + ((packed >> np.uint64(16)) & np.uint64(0xFFFF))
         while x < np.uint64(RANS_L):
             if ptr >= code.shape[0]:
                 return -1

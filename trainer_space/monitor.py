@@ -38,7 +38,8 @@ class VersionRow:
     numel: int = 0
     payload_bytes: int = 0
     dense_bytes: int = 0
-    encode_s: float | None = None
+    encode_s: float | None = None  # how long publish() held the training loop
+    encoder_s: float | None = None  # the publisher's encoder thread, while the next step trains
     upload_s: float | None = None
     stage_s: float | None = None  # the slowest replica's, while serving
     pause_s: float | None = None  # the slowest replica's generation pause
@@ -87,7 +88,7 @@ class Monitor:
             row.state_digest = report.state_digest
             row.kind, row.changed, row.numel = report.kind, report.changed, report.numel
             row.payload_bytes, row.dense_bytes = report.payload_bytes, report.dense_bytes
-            row.encode_s, row.upload_s = report.encode_s, report.upload_s
+            row.encode_s, row.encoder_s, row.upload_s = report.encode_s, report.encoder_s, report.upload_s
             if steps:
                 row.stage_s = max(s.get("stage_s", 0.0) for s in steps)
                 row.pause_s = max(s.get("pause_s", 0.0) for s in steps)

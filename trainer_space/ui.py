@@ -98,8 +98,8 @@ def frames(monitor: Monitor | None) -> dict[str, pd.DataFrame | None]:
         "bytes": long(deltas, "version", {"payload_bytes": "deltasync", "dense_bytes": "dense bf16",
                                           "int32_bf16_bytes": "int32 + bf16"}),
         "changed": long(deltas, "version", {"changed_fraction": "changed %"}, 100.0),
-        "times": long(deltas, "version", {"encode_s": "encode", "upload_s": "upload", "stage_s": "stage",
-                                          "pause_s": "pause"}, 1e3),
+        "times": long(deltas, "version", {"encode_s": "encode", "encoder_s": "encoder thread",
+                                          "upload_s": "upload", "stage_s": "stage", "pause_s": "pause"}, 1e3),
         "behind": frame([{"x": v.url, "y": latest - (v.version or 0), "series": v.status}
                          for v in monitor.replica_views()]),
         "env": frame([{"x": k.replace("_", " "), "y": v, "series": "env"} for k, v in monitor.env_stats.items()]),
@@ -167,7 +167,8 @@ def build(session: Session) -> gr.Blocks:
             changed_plot = gr.LinePlot(x="x", y="y", color="series", title="weights changed",
                                        x_title="version", y_title="%", elem_id="plot-changed")
         with gr.Row():
-            times_plot = gr.LinePlot(x="x", y="y", color="series", title="encode / upload / stage / pause",
+            times_plot = gr.LinePlot(x="x", y="y", color="series",
+                                     title="encode (loop held) / encoder thread / upload / stage / pause",
                                      x_title="version", y_title="ms", elem_id="plot-times")
             behind_plot = gr.BarPlot(x="x", y="y", color="series", title="versions behind, per replica",
                                      x_title="replica", elem_id="plot-behind")
