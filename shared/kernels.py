@@ -354,7 +354,7 @@ def rice_unpack(buf, k, count, out, running, limit):  # pragma: no cover
                 acc >>= np.uint64(32)
                 avail -= 32
         else:
-            while avail <= 56:
+            while avail < k:  # usually still there: the reservoir held 57 bits or more
                 if pos < buf.shape[0]:
                     acc |= np.uint64(buf[pos]) << np.uint64(avail)
                 pos += 1
