@@ -1,7 +1,7 @@
 """Apply a ~1% bf16 delta to a live vLLM engine four ways, in one run, and compare.
 
 * **deltasync pause**: what generation waits for on the replica: the staged ``index_copy_`` of
-  precomputed new bits into the live parameters (``LiveWeights.commit``), and the same measured
+  precomputed new bits into the live parameters (``LiveWeights.write``), and the same measured
   around the worker call plus the prefix-cache reset. Afterwards a real server
   (``python -m rollout_space``) applies a few more such versions and its ``POST /update``
   reports give the pause as served: scheduler paused to resumed.
@@ -83,7 +83,7 @@ def _worker_bench(worker, delta_path: str, reps: int) -> dict:
             for p in reversed(staged.patches):
                 p.revert()
 
-    out: dict[str, list[float]] = {k: [] for k in ("pause_commit", "floor", "dense_reload",
+    out: dict[str, list[float]] = {k: [] for k in ("pause_write", "floor", "dense_reload",
                                                    "vllm_patches")}
     with torch.no_grad():
         for rep in range(reps):
@@ -92,7 +92,7 @@ def _worker_bench(worker, delta_path: str, reps: int) -> dict:
                 target.index_copy_(0, pos, new)
             out["floor"].append(time.perf_counter() - a)
 
-            out["pause_commit"].append(weights.commit(staged))
+            out["pause_write"].append(weights.write(staged))
             if rep == 0:
                 check(target_sd, "deltasync")
             weights.revert(staged)
@@ -181,7 +181,7 @@ def server_pauses(model_dir: Path, tmp: Path, versions: int, fraction: float) ->
     finally:
         server.stop()
         pub.close()
-    keys = ("download_s", "stage_s", "drain_s", "pause_s", "commit_s", "audit_s")
+    keys = ("download_s", "stage_s", "drain_s", "pause_s", "write_s", "audit_s")
     return {"startup_s": startup, "versions": versions, "steps": steps,
             "median_s": {k: statistics.median(s[k] for s in steps) for k in keys},
             "delta_bytes_median": statistics.median(s["bytes"] for s in steps)}
@@ -229,7 +229,7 @@ def main() -> None:
     pause_rpc = []
     for _ in range(a.reps):
         t = time.perf_counter()
-        res = json.loads(llm.collective_rpc("deltasync_commit", args=("bench",))[0])
+        res = json.loads(llm.collective_rpc("deltasync_write", args=("bench",))[0])
         llm.reset_prefix_cache()
         pause_rpc.append(time.perf_counter() - t)
         assert res["ok"], res
@@ -238,7 +238,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in r["times"].items()}
     med["pause_rpc"] = statistics.median(pause_rpc)
     floor = med["floor"]
-    rows = [("deltasync pause: commit (index_copy_ of staged bits)", "pause_commit"),
+    rows = [("deltasync pause: write (index_copy_ of staged bits)", "pause_write"),
             ("deltasync pause: worker call + prefix-cache reset", "pause_rpc"),
             ("floor: bare index_copy_, same positions", "floor"),
             ("dense reload through load_weights", "dense_reload"),
@@ -256,10 +256,10 @@ def main() -> None:
         srv = server_pauses(model_dir, tmp, a.server_versions, a.fraction)
         m = srv["median_s"]
         print(f"{'real server, POST /update (median of ' + str(srv['versions']) + ' versions)':<58}")
-        for k in ("download_s", "stage_s", "drain_s", "pause_s", "commit_s", "audit_s"):
+        for k in ("download_s", "stage_s", "drain_s", "pause_s", "write_s", "audit_s"):
             print(f"  {k[:-2]:<56}{m[k] * 1e3:>10.2f}{m[k] / floor:>10.2f}")
         print(f"  {'server start-up to healthy (s)':<56}{srv['startup_s']:>10.1f}")
-    ok = med["pause_commit"] <= 1.5 * floor and med["pause_commit"] < min(med["dense_reload"],
+    ok = med["pause_write"] <= 1.5 * floor and med["pause_write"] < min(med["dense_reload"],
                                                                           med["vllm_patches"])
     print(f"target (pause <= 1.5x floor and below both others): {'met' if ok else 'NOT met'}")
     result = {"model_params": r["numel"], "changed": r["changed"], "fraction": r["changed"] / r["numel"],

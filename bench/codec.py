@@ -85,7 +85,7 @@ def trajectory(case: Case, model):
 
 
 def run_case(case: Case) -> dict:
-    from shared.apply import commit, prepare
+    from shared.apply import prepare, write_all
     from shared.chain import AnchorPolicy
     from shared.checkpoint import module_state
     from shared.codec import DeltaFile, build_delta, encode_state, encode_tensor, save_delta
@@ -151,7 +151,7 @@ def run_case(case: Case) -> dict:
             for _ in range(4):
                 t0 = time.perf_counter()
                 patches = prepare(DeltaFile.from_bytes(blob), target)
-                commit(patches)
+                write_all(patches)
                 times.append(time.perf_counter() - t0)
                 assert all(torch.equal(target[n].view(torch.int16), new[n].view(torch.int16)) for n in new)
                 for p in patches:

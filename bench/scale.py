@@ -84,7 +84,7 @@ def calibrate(size: str) -> float:
 
 def measure_step(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], reps: int) -> dict:
     """Every per-element cost on one version pair; each timing a median of ``reps``."""
-    from shared.apply import commit, prepare
+    from shared.apply import prepare, write_all
     from shared.changes import find_changes, map_balanced
     from shared.codec import DeltaFile, build_delta, encode_state, save_delta
     from shared.digest import tensor_digest
@@ -118,7 +118,7 @@ def measure_step(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], re
         t0 = time.perf_counter()
         patches = prepare(DeltaFile.from_bytes(blob), scratch, in_place=False)
         t1 = time.perf_counter()
-        commit(patches)
+        write_all(patches)
         t2 = time.perf_counter()
         if not all(torch.equal(scratch[n].view(torch.int16), new[n].view(torch.int16)) for n in names):
             raise AssertionError("the delta did not rebuild the new state exactly")

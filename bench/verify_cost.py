@@ -8,7 +8,7 @@ process), medians of ``--reps`` repetitions of:
   predict every touched tensor's fingerprint (``LiveWeights.stage``; the replica does this while
   serving; its split into decode, gather and predict sums decode and gather over the tensor
   threads, so the parts can add up to more than the wall time);
-* **write**: the paused ``index_copy_`` of the staged bits (``LiveWeights.commit``);
+* **write**: the paused ``index_copy_`` of the staged bits (``LiveWeights.write``);
 * **read-back**: the written positions read back (``LiveWeights.audit``);
 * **rolling**: the rolling audit's slice of whole-tensor fingerprints (1/K of the tensors, K = 8
   by default; ``--reps`` of 8 covers every slice once);
@@ -66,7 +66,7 @@ def _worker_costs(worker, delta_path: str, reps: int) -> dict:
             for target, pos, new in scratch:
                 target.index_copy_(0, pos, new)
             times["floor"].append(time.perf_counter() - a)
-        times["write"].append(weights.commit(staged))
+        times["write"].append(weights.write(staged))
         a = time.perf_counter()
         bad = weights.audit(staged)
         times["read_back"].append(time.perf_counter() - a)

@@ -11,7 +11,7 @@ One ``AsyncLLM`` (its engine core and worker run in a child process) with the
 5. audit the written tensors by reading them back (generation goes on); revert on mismatch.
 
 The audit proves the parameters hold the target bits; it cannot tell whether generation computes
-from them (see :mod:`rollout_space.replica`). That is the **write-through probe**
+from them (see :mod:`rollout_space.live_weights`). That is the **write-through probe**
 (:meth:`RolloutEngine.write_probe`), run at start-up before serving, on demand (``POST /probe``)
 and, with ``--write-probe dense``, after every dense load while serving: with no other request
 in the engine it runs a fixed prompt (prompt logprobs and one greedy token's, prefix cache not
@@ -56,7 +56,7 @@ from shared.schemas import PauseMode, Refusal, StepReport, UpdateResponse
 from shared.stores import open_store
 
 from . import metrics
-from .replica import DIGEST_PASSES, check_shards
+from .live_weights import DIGEST_PASSES, check_shards
 
 log = logging.getLogger("rollout_space.engine")
 EXTENSION = "rollout_space.worker.DeltaWorkerExtension"
@@ -404,7 +404,7 @@ class RolloutEngine:
                     steps += await self._apply_run(group, mode)
             self.state.status, self.state.damage = "ready", ""
             probe = None
-            if self.probe_mode == "dense" and self.serving and any(s.kind != "delta" and s.commit_s
+            if self.probe_mode == "dense" and self.serving and any(s.kind != "delta" and s.write_s
                                                                    for s in steps):
                 try:
                     probe = await self._write_probe("dense")
@@ -498,9 +498,9 @@ class RolloutEngine:
             _check_shards(ranks, f"v{step.version}")  # before any rank writes
             step.stage_s, step.changed = max(r["stage_s"] for r in ranks), ranks[0]["changed"]
             m = await asyncio.to_thread(self.chain.manifest, step.version)
-            commit = await self._paused_write(step.version, m.commitment, m.state_digest, mode,
-                                              "deltasync_commit", stage_id, step)
-            step.commit_s = commit["commit_s"]
+            written = await self._paused_write(step.version, m.commitment, m.state_digest, mode,
+                                               "deltasync_write", stage_id, step)
+            step.write_s = written["write_s"]
             a = time.perf_counter()
             audit = _merge_audits(await self.job_all("audit", stage_id))
             step.audit_s = time.perf_counter() - a
@@ -528,7 +528,7 @@ class RolloutEngine:
     def _log_step(self, s: StepReport) -> None:
         log.info("applied v%d (%s, %d changed, %d B): download %.1f ms, stage %.1f ms, drain %.1f ms, "
                  "pause %.2f ms (write %.2f ms), audit %.1f ms", s.version, s.kind, s.changed, s.bytes,
-                 s.download_s * 1e3, s.stage_s * 1e3, s.drain_s * 1e3, s.pause_s * 1e3, s.commit_s * 1e3,
+                 s.download_s * 1e3, s.stage_s * 1e3, s.drain_s * 1e3, s.pause_s * 1e3, s.write_s * 1e3,
                  s.audit_s * 1e3)
 
     async def _damaged(self, why: str, until: str = "a re-sync") -> None:
@@ -655,7 +655,7 @@ class RolloutEngine:
             # a failed load leaves weights of no version: damaged (before generation resumes)
             r = await self._paused_write(ref.version, m.commitment, m.state_digest, mode,
                                          "deltasync_load", json.dumps(arg), step, dense=True)
-            step.commit_s = r["load_s"] + r["verify_s"]
+            step.write_s = r["load_s"] + r["verify_s"]
         finally:
             if ref.key is not None:
                 Path(path).unlink(missing_ok=True)

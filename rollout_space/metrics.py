@@ -59,7 +59,7 @@ def observe_step(step: StepReport) -> None:
     STAGE_SECONDS.observe(step.stage_s)
     DRAIN_SECONDS.observe(step.drain_s)
     PAUSE_SECONDS.observe(step.pause_s)
-    APPLY_SECONDS.observe(step.commit_s)
+    APPLY_SECONDS.observe(step.write_s)
     if step.kind == "delta":
         AUDIT_SECONDS.observe(step.audit_s)
         CHANGED.inc(step.changed)

@@ -6,13 +6,13 @@ The engine core runs in its own process, so every argument and result crosses as
 (never pickle). Long work (staging, audits) runs on one background thread of the worker process,
 so the engine keeps stepping while it runs; the server polls for the result. Live digests run on
 a second one, tensor by tensor, so that neither a stage nor a paused write waits for a whole
-digest (see ``_job_digest``). Only ``deltasync_commit`` / ``deltasync_revert`` / ``deltasync_load``
+digest (see ``_job_digest``). Only ``deltasync_write`` / ``deltasync_revert`` / ``deltasync_load``
 write weights for a version, and the server calls them while generation is paused;
 ``deltasync_perturb`` / ``deltasync_restore`` write the write-through probe's perturbation (and
 the old bits back) while the server holds generation (see ``RolloutEngine.write_probe``).
 
 The audit (``_job_audit``) proves that the written parameters hold the target bits, not that
-generation computes from them: see :mod:`rollout_space.replica` for exactly what each check proves.
+generation computes from them: see :mod:`rollout_space.live_weights` for exactly what each check proves.
 
 Importing this module installs :func:`rollout_space.cpu_weights.keep_plain_cpu_weights`, which
 must happen before the model is loaded; vLLM imports worker extensions at worker start.
@@ -44,7 +44,7 @@ from shared.errors import DeltaError
 
 from .cpu_weights import keep_plain_cpu_weights
 from .mapping import EngineMap, LiveMap, build_map, checkpoint_specs, map_key, param_specs
-from .replica import DIGEST_PASSES, LiveWeights, Staged
+from .live_weights import DIGEST_PASSES, LiveWeights, Staged
 
 keep_plain_cpu_weights()
 log = logging.getLogger("rollout_space.worker")
@@ -294,14 +294,14 @@ class DeltaWorkerExtension:
                 "mismatched": sorted(n for n in digests if digests[n] != held_digests[n])}
 
     # ------------------------------------------------------------------ writes (paused)
-    def deltasync_commit(self, stage: str) -> str:
+    def deltasync_write(self, stage: str) -> str:
         try:
             st = self._ds()
             staged = st.staged[stage]
             with st.lock:
                 st.writes += 1
-                dt = st.weights.commit(staged)
-            return _ok(commit_s=dt, version=staged.header.version)
+                dt = st.weights.write(staged)
+            return _ok(write_s=dt, version=staged.header.version)
         except BaseException as e:  # noqa: BLE001
             return _err(e)
 

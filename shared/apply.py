@@ -194,7 +194,7 @@ class _Writes:
             raise self.error
 
 
-def commit(patches: list[Patch | InPlacePatch], verify: Mapping[str, str] | None = None,
+def write_all(patches: list[Patch | InPlacePatch], verify: Mapping[str, str] | None = None,
            target: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write all patches (several tensors at a time); if a digest in ``verify`` (name -> digest)
     then fails, or anything else does, revert every write.
@@ -228,5 +228,5 @@ def apply_delta(delta: DeltaFile, target: Mapping[str, torch.Tensor] | torch.nn.
     patches = prepare(delta, state)
     touched = {p.name: delta.header.tensors[p.name].digest for p in patches} if verify else None
     with torch.no_grad():
-        commit(patches, touched, state)
+        write_all(patches, touched, state)
     return delta.header

@@ -8,8 +8,8 @@ Layout below the store root::
     manifests/v00000013.json          what version 13 is and which objects reach it
     latest.json                       {"version": 13, "commitment": ...}, written last
 
-Uploads are not transactional, so publish order is the commit protocol: objects, then the
-manifest, then ``latest.json``. A reader starts from ``latest.json`` (or a manifest) and only
+Uploads are not transactional, so the publish order makes a version appear whole: objects, then
+the manifest, then ``latest.json``. A reader starts from ``latest.json`` (or a manifest) and only
 ever follows references to objects that were complete before the reference was written.
 """
 

@@ -257,7 +257,7 @@ def apply(base: Path = typer.Argument(..., metavar="BASE", help="checkpoint the 
     DELTA is a deltasync delta or the TRL prototype's format (.indices/.values, unverifiable).
     Nothing is written unless the delta fits the base and the result matches its digests.
     """
-    from .apply import apply_delta, commit, flat_bits, make_patch
+    from .apply import apply_delta, flat_bits, make_patch, write_all
     from .digest import state_digest
     from .trl_format import is_trl_delta, read_trl_delta
 
@@ -265,7 +265,7 @@ def apply(base: Path = typer.Argument(..., metavar="BASE", help="checkpoint the 
     state, bh = _load(base, "BASE")
     if is_trl_delta(delta):
         patches = [make_patch(c, flat_bits(state[c.name])) for c in read_trl_delta(delta, state)]
-        commit(patches)
+        write_all(patches)
         _write_atomic(output, lambda tmp: save_state(state, tmp))
         if as_json:
             _emit({"output": str(output), "tensors": len(patches), "state_digest": state_digest(state),

@@ -38,7 +38,7 @@ class StepReport(BaseModel):
     stage_s: float = 0.0  # decode, gather, predict: while serving
     drain_s: float = 0.0  # waiting for in-flight requests (mode "wait")
     pause_s: float = 0.0  # generation stopped: write + cache reset + resume
-    commit_s: float = 0.0  # the write itself, inside the engine
+    write_s: float = 0.0  # the write itself, inside the engine
     audit_s: float = 0.0  # read-back check, while serving again
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shared import changes
-from shared.apply import Patch, commit, flat_bits
+from shared.apply import Patch, flat_bits, write_all
 from shared.chain import Chain
 from shared.publisher import DeltaPublisher
 from shared.stores import open_store
@@ -76,7 +76,7 @@ def test_no_batch_writes_after_a_failure_and_rollback_waits_for_in_flight_ones(f
     a = _patch(Slow, target, 100, 30)
     z = _patch(Early, target, 200, 20)
     with pytest.raises(Boom):
-        commit([z, a, f])  # rollback visits f, a, then z
+        write_all([z, a, f])  # rollback visits f, a, then z
     assert a_done.wait(WAIT)
     four_threads.shutdown(wait=True)  # nothing may still be writing
     assert torch.equal(target.view(torch.int16), before.view(torch.int16))
@@ -98,7 +98,7 @@ def test_a_failing_batch_leaves_the_target_bit_identical(four_threads, round):
 
     patches[bad] = _patch(Failing, target, bad * 64, patches[bad].positions.numel())
     with pytest.raises(Boom):
-        commit(patches)
+        write_all(patches)
     four_threads.shutdown(wait=True)
     assert torch.equal(target.view(torch.int16), before.view(torch.int16))
 

@@ -44,8 +44,8 @@ class FaultWorkerExtension(DeltaWorkerExtension):
         _hold("stage")
         return super()._job_stage(job, arg)
 
-    def deltasync_commit(self, stage: str) -> str:
-        result = super().deltasync_commit(stage)
+    def deltasync_write(self, stage: str) -> str:
+        result = super().deltasync_write(stage)
         _hold("write")
         return result
 

@@ -27,8 +27,8 @@ REBIND_ENV = "DELTASYNC_TEST_REBIND_PARAM"
 
 
 class StrayWriteExtension(DeltaWorkerExtension):
-    def deltasync_commit(self, stage: str) -> str:
-        result = super().deltasync_commit(stage)
+    def deltasync_write(self, stage: str) -> str:
+        result = super().deltasync_write(stage)
         if json.loads(result).get("ok") and not getattr(self, "_stray_done", False):
             self._stray_done = True
             live = self._ds().weights.live
@@ -39,8 +39,8 @@ class StrayWriteExtension(DeltaWorkerExtension):
 
 
 class RebindExtension(DeltaWorkerExtension):
-    def deltasync_commit(self, stage: str) -> str:
-        result = super().deltasync_commit(stage)
+    def deltasync_write(self, stage: str) -> str:
+        result = super().deltasync_write(stage)
         if json.loads(result).get("ok") and not getattr(self, "_rebound", False):
             self._rebound = True
             path, _, leaf = os.environ[REBIND_ENV].rpartition(".")

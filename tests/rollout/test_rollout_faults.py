@@ -65,7 +65,7 @@ class Replica:
             self.released.append(args[0])
         if method == "deltasync_held":
             return {"version": 4, "commitment": "c4", "state_digest": "d4"}
-        return {"commit_s": 0.0, "load_s": 0.0, "verify_s": 0.0}
+        return {"write_s": 0.0, "load_s": 0.0, "verify_s": 0.0}
 
     async def rpc_all(self, method: str, *args: str) -> list[dict]:  # one rank
         return [await self.rpc(method, *args)]
@@ -146,8 +146,8 @@ def test_a_failed_dense_load_is_damaged_before_generation_resumes(tmp_path):
     assert (status, version, label) == ("damaged", None, "damaged")
 
 
-def test_a_failed_commit_or_audit_still_releases_the_stage(tmp_path):
-    r = Replica(tmp_path, fail_rpc={"deltasync_commit"})
+def test_a_failed_write_or_audit_still_releases_the_stage(tmp_path):
+    r = Replica(tmp_path, fail_rpc={"deltasync_write"})
     with pytest.raises(DeltaError):
         run(r.delta(tmp_path))
     assert r.released == ["S1"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout_space.mapping import EngineMap, LiveMap, MapError, build_map
-from rollout_space.replica import LiveWeights, check_shards, genesis_commitment
+from rollout_space.live_weights import LiveWeights, check_shards, genesis_commitment
 from rollout_space.server import policy_fields, policy_headers
 from shared.codec import DeltaFile, encode_delta
 from shared.digest import SAFETENSORS_DTYPES, state_digest, tensor_digest
@@ -114,7 +114,7 @@ def test_stage_commit_audit_revert(loaded):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     staged = weights.stage(_delta(ckpt, new, c0))
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # staging writes nothing
-    weights.commit(staged)
+    weights.write(staged)
     assert weights.audit(staged) == []
     assert weights.live_state_digest() == state_digest(new) == weights.held.state_digest
     assert weights.held.version == 1
@@ -170,7 +170,7 @@ def test_failure_in_the_middle_of_a_commit_is_rolled_back(loaded):
 
     staged.patches[3].apply = boom  # the first three are written, then the fourth fails
     with pytest.raises(RuntimeError):
-        weights.commit(staged)
+        weights.write(staged)
     assert weights.live_state_digest() == state_digest(ckpt)
     assert weights.held.version == 0 and weights.held.commitment == c0
 
@@ -179,20 +179,20 @@ def test_staging_predicts_fingerprints_in_o_changes(loaded, monkeypatch):
     """Through fused, padded and transposed parameters, the held fingerprints follow every
     version, staging predicts them without a whole-tensor hash, and a wrong bit underneath a
     changed position is refused by fingerprint before anything is written."""
-    import rollout_space.replica as replica
+    import rollout_space.live_weights as live_weights
 
     ckpt, model, emap, weights = loaded
     assert weights.held.fingerprints == {n: tensor_fingerprint(t).hex() for n, t in ckpt.items()}
     c0 = genesis_commitment(state_digest(ckpt))
     weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
     whole = []
-    monkeypatch.setattr(replica, "tensor_digest", lambda t: whole.append(t) or tensor_digest(t))
+    monkeypatch.setattr(live_weights, "tensor_digest", lambda t: whole.append(t) or tensor_digest(t))
     new = _changed(ckpt, fraction=0.05)
     delta = _delta(ckpt, new, c0)
     staged = weights.stage(delta)
     sent_whole = [n for n, e in delta.header.tensors.items() if e.positions == "all" and n in emap.tensors]
     assert len(whole) == len(sent_whole) < len(staged.touched)  # only tensors sent whole are hashed whole
-    weights.commit(staged)
+    weights.write(staged)
     assert weights.audit(staged) == []
     assert weights.held.fingerprints == {n: tensor_fingerprint(t).hex() for n, t in new.items()}
     monkeypatch.undo()
@@ -228,7 +228,7 @@ def test_read_back_audit_finds_a_write_that_did_not_land(loaded):
     c0 = genesis_commitment(state_digest(ckpt))
     weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
     staged = weights.stage(_delta(ckpt, _changed(ckpt), c0))
-    weights.commit(staged)
+    weights.write(staged)
     p = next(p for p in staged.patches if p.positions is not None and p.positions.numel() > 1)
     p.target[p.positions[1]] = p.old[1]  # one written element reverts behind the audit's back
     assert weights.audit(staged) == [p.name]
@@ -291,7 +291,7 @@ def test_ranks_partial_fingerprints_add_up_and_follow_every_version(ranks):
     assert check_shards([s.shards for s in staged]) == []
     assert sum(len(s.patches) for s in staged) > len(staged[0].touched)  # the work is split
     for w, s in zip(ws, staged):
-        w.commit(s)
+        w.write(s)
         assert w.audit(s) == []
     want = {n: tensor_fingerprint(t).hex() for n, t in new.items()}
     assert check_shards(_shards(ws, want)) == []

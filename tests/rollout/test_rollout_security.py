@@ -116,7 +116,7 @@ def test_a_digest_pass_that_a_write_interrupts_starts_again():
     """The worker's digest job (no engine: stand-in weights). A write landing between two tensors
     must not give a digest that mixes two versions; the pass starts again, and the last allowed
     pass holds the weights lock throughout."""
-    from rollout_space.replica import Held
+    from rollout_space.live_weights import Held
     from rollout_space.worker import DIGEST_PASSES, DeltaWorkerExtension, _State
 
     specs = {"a": ("BF16", [2]), "b": ("BF16", [2]), "c": ("F32", [])}  # "c" is not mapped

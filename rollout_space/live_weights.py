@@ -1,4 +1,4 @@
-"""The live weights of one engine rank, in checkpoint coordinates: stage, commit, revert, audit.
+"""The live weights of one engine rank, in checkpoint coordinates: stage, write, revert, audit.
 
 An update is split so that generation stops only for the write:
 
@@ -9,7 +9,7 @@ An update is split so that generation stops only for the write:
   default predict every touched tensor's fingerprint after the write from the held fingerprint and
   the old and new bits at the changed positions, in O(changes) (a tensor sent whole is predicted
   by its blake3 digest instead). Any failure here is a refusal and no weight has changed.
-* **commit** (paused): one ``index_copy_`` per (tensor, parameter) pair. Retrying is idempotent;
+* **write** (paused): one ``index_copy_`` per (tensor, parameter) pair. Retrying is idempotent;
   an error part-way reverts what was written with one more ``index_copy_`` of the old bits.
 * **audit** (serving again): read the written positions back (O(changes)) and compare with the
   bits written; the caller reverts on a mismatch. Then the **rolling audit**: the whole-tensor
@@ -97,7 +97,7 @@ class Staged:
     changed: int
     shards: dict[str, tuple[str, str]] = field(default_factory=dict)  # held in part: (partial after, declared)
     previous: Held | None = None
-    committed: bool = False
+    written: bool = False
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -316,7 +316,7 @@ class LiveWeights:
             raise DeltaError("digest_mismatch", f"{change.name}: applying would not give the "
                              "declared digest (wrong base or damaged delta); nothing written")
 
-    def commit(self, staged: Staged) -> float:
+    def write(self, staged: Staged) -> float:
         """Write; on an error part-way, undo what was written and re-raise. Returns seconds."""
         t0 = time.perf_counter()
         done: list[Patch] = []
@@ -341,19 +341,19 @@ class LiveWeights:
             elif name not in self.live.map.tensors or self.live.whole(name):  # else: a partial, unchanged
                 self.held.fingerprints[name] = e.fingerprint
         self.held.version, self.held.commitment = h.version, h.commitment
-        staged.committed = True
-        staged.timings["commit_s"] = dt
+        staged.written = True
+        staged.timings["write_s"] = dt
         return dt
 
     def revert(self, staged: Staged) -> float:
         t0 = time.perf_counter()
-        if staged.committed:
+        if staged.written:
             with torch.no_grad():
                 for p in reversed(staged.patches):
                     p.revert()
             assert staged.previous is not None
             self.held = staged.previous
-            staged.committed = False
+            staged.written = False
         return time.perf_counter() - t0
 
     def audit(self, staged: Staged) -> list[str]:
