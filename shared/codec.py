@@ -422,16 +422,14 @@ def encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | 
 
 
 def fingerprint_after(new: torch.Tensor, found: EncodedTensor | Changes | DenseChange,
-                      base: Fingerprint | None, new_at: np.ndarray | None = None) -> Fingerprint:
+                      base: Fingerprint | None, new_at: np.ndarray | None) -> Fingerprint:
     """The new tensor's fingerprint: from the base's in O(changes) where the change is sparse
     and the base's is known, else from every element. ``new_at``: the new bits at the changed
-    positions, if the caller has them."""
+    positions (for :class:`Changes`)."""
     if base is not None:
         if isinstance(found, EncodedTensor) and found.entry.encoding == "same":
             return base
         if isinstance(found, Changes):
-            if new_at is None:
-                new_at = unsigned_view(new)[found.positions]
             return base + fingerprint_delta(found.positions, new_at ^ found.xor, new_at, new.element_size() * 8)
     return tensor_fingerprint(new, threads=False)
 
