@@ -172,8 +172,8 @@ def _gap_planes(positions: np.ndarray) -> tuple[bytes, int]:
 def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
     """Gaps between positions as a Rice code (near the entropy when changes are spread out) or
     zstd'd byte planes (better when they cluster), whichever is smaller: decided on the first
-    changes when there are many, so only the winner is computed in full."""
-    if positions.shape[0] > 4 * SAMPLE:
+    :data:`SAMPLE` changes when there are more, so only the winner is computed in full."""
+    if positions.shape[0] > SAMPLE:
         rice_wins = len(rice_encode(positions[:SAMPLE], running=True)) <= len(_gap_planes(positions[:SAMPLE])[0])
         return (rice_encode(positions, running=True), 0, "rice") if rice_wins else (*_gap_planes(positions), "zstd")
     rice_blob, (zstd_blob, nbytes) = rice_encode(positions, running=True), _gap_planes(positions)
