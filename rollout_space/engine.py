@@ -137,6 +137,11 @@ class ProbeBusy(Exception):
     """The write-through probe cannot run now (generation paused by a user, requests did not end)."""
 
 
+class Damaged(Exception):
+    """A request waited at the gate while the write-through probe found the replica damaged: it
+    is refused (503), like every request after it."""
+
+
 def _drop_dead_downloads(work: Path) -> None:
     """Downloads are named ``<object>-<pid>``; a replica killed mid-update leaves its own behind
     (an anchor is as large as the model), so a new one removes those whose process is gone."""
@@ -302,7 +307,7 @@ class RolloutEngine:
         async def iterate(args, kwargs, spans: dict | None):
             await self.wait_open()
             if self.write_through_failure:  # held at the gate while the probe found the damage
-                raise RuntimeError(f"replica damaged: {self.write_through_failure}")
+                raise Damaged(f"replica damaged: {self.write_through_failure}")
             self._active += 1
             self._idle.clear()
             try:

@@ -41,7 +41,7 @@ from shared.schemas import (
     VersionResponse,
 )
 
-from .engine import SPANS, ProbeBusy, RolloutEngine, UpdateRefused, label_of, version_of
+from .engine import SPANS, Damaged, ProbeBusy, RolloutEngine, UpdateRefused, label_of, version_of
 
 log = logging.getLogger("rollout_space.server")
 
@@ -135,10 +135,13 @@ def create_app(args: Namespace) -> FastAPI:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
         from vllm.exceptions import VLLMError
 
-        await replica.wait_open()  # a write-through probe in progress may end in damage
-        if replica.state.status == "damaged":
+        def refused() -> JSONResponse:
             why = replica.state.damage or "replica holds weights of no version"
             return JSONResponse({"error": {"message": f"replica damaged: {why}", "code": 503}}, status_code=503)
+
+        await replica.wait_open()  # a write-through probe in progress may end in damage
+        if replica.state.status == "damaged":
+            return refused()
         spans: dict = {}
         SPANS.set(spans)
         fallback = label_of(replica.state.version)
@@ -151,6 +154,8 @@ def create_app(args: Namespace) -> FastAPI:
             else:
                 request = ChatCompletionRequest.model_validate(body)
                 result = await state.openai_serving_chat.create_chat_completion(request, raw_request)
+        except Damaged:  # passed the check above just before a probe closed the gate
+            return refused()
         except (VLLMError, ValueError, TypeError, OverflowError) as e:
             # What vllm serve's exception handlers answer (400 for a bad request, with vLLM's
             # message), scoped to generation so our own routes keep their error bodies.
