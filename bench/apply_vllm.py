@@ -126,6 +126,7 @@ def make_delta(model_dir: Path, out: Path, fraction: float, seed: int) -> dict:
     from shared.checkpoint import load_state
     from shared.codec import encode_delta
     from shared.digest import commitment, state_digest
+    from shared.fingerprint import state_fingerprint_of
 
     base = load_state(model_dir)
     g = torch.Generator().manual_seed(seed)
@@ -136,7 +137,7 @@ def make_delta(model_dir: Path, out: Path, fraction: float, seed: int) -> dict:
         flips = torch.randint(1, 4, (int(mask.sum()),), generator=g, dtype=torch.int16)
         bits[mask] ^= flips
         new[n] = bits.view(torch.bfloat16).view(t.shape)
-    c0 = commitment("", state_digest(base))
+    c0 = commitment("", state_fingerprint_of(base))
     data = encode_delta(base, new, version=1, base_version=0, base_commitment=c0)
     out.write_bytes(data)
     return {"base_commitment": c0, "base_state_digest": state_digest(base)}

@@ -47,16 +47,18 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+import torch
 
-from shared.chain import Chain
-from shared.digest import state_digest_from_entries
+from shared.chain import Chain, Manifest
+from shared.digest import TORCH_DTYPES
+from shared.fingerprint import tensor_fingerprint
 from shared.errors import DeltaError
 from shared.lock import process_alive
 from shared.schemas import PauseMode, Refusal, StepReport, UpdateResponse
 from shared.stores import open_store
 
 from . import metrics
-from .live_weights import DIGEST_PASSES, check_shards
+from .live_weights import DIGEST_PASSES, check_shards, compare_live
 
 log = logging.getLogger("rollout_space.engine")
 EXTENSION = "rollout_space.worker.DeltaWorkerExtension"
@@ -96,11 +98,14 @@ def _merge_audits(answers: list[dict]) -> dict:
     return out
 
 
-def _tensor_digest_of(answers: list[dict], held: str, numel: int) -> str:
-    """A tensor's digest from every rank's ``deltasync_tensor`` answer: a copy that differs from
-    the held digest wins over one that matches it (every copy must match); parts held by ranks
-    are put together in checkpoint order (a gap or an overlap gives no digest at all)."""
-    found = {a["digest"] for a in answers if "digest" in a}
+def _tensor_hashes_of(answers: list[dict], dtype: str, numel: int) -> tuple[str, str | None] | None:
+    """A tensor's live (digest, fingerprint or None) from every rank's ``deltasync_tensor``
+    answer, as :func:`~rollout_space.live_weights.compare_live` takes them: a copy that is not
+    what is held wins over one that is (every copy must be); parts held by ranks are put
+    together in checkpoint order (a gap or an overlap gives no digest at all). None: no rank
+    holds it (a tied alias)."""
+    held, declared = answers[0]["held"], answers[0]["declared"]
+    found = [(a["digest"], a["fingerprint"]) for a in answers if "digest" in a]
     parts = [a for a in answers if "runs" in a]
     if parts:
         data = [base64.b64decode(a["data"]) for a in parts]
@@ -112,10 +117,13 @@ def _tensor_digest_of(answers: list[dict], held: str, numel: int) -> str:
             for start, n in a["runs"]:
                 whole[start * size:(start + n) * size] = d[off:off + n * size]
                 off, filled = off + n * size, filled + n
-        found.add(blake3.blake3(whole).hexdigest() if filled == numel else "")
-    if not found:  # held by no rank (a tied alias): its declared digest
-        return held
-    return next((d for d in sorted(found) if d != held), held)
+        d, fp = ("", "") if filled != numel else (blake3.blake3(whole).hexdigest(), None)
+        if d and d != held:
+            fp = tensor_fingerprint(torch.frombuffer(whole, dtype=torch.uint8).view(TORCH_DTYPES[dtype])).hex()
+        found.append((d, fp))
+    if not found:
+        return None
+    return next((h for h in found if ((h[0] != held) if held else (h[1] != declared))), found[0])
 
 
 def _runs_of_deltas(plan: list) -> list[list]:
@@ -186,7 +194,8 @@ def resolve_model_dir(model: str) -> Path:
 class ReplicaState:
     version: int | None = None
     commitment: str = ""
-    state_digest: str = ""
+    state_fingerprint: str = ""
+    state_digest: str = ""  # blake3; "" when the version's manifest has none (digests="anchors")
     status: str = "starting"
     latest_seen: int | None = None
     history: list[dict] = field(default_factory=list)
@@ -266,7 +275,7 @@ class RolloutEngine:
         log.info("checkpoint map: %d tensors, %d runs, %s in %.2fs; ignored %s", r["tensors"], r["runs"],
                  "probed" if r["map_built"] else "from cache", r["map_s"], r["ignored"])
         self.base_state_digest = r["state_digest"]
-        self.state.state_digest = r["state_digest"]
+        self.state.state_digest, self.state.state_fingerprint = r["state_digest"], r["state_fingerprint"]
         await self.engine.update_weight_version(BASE_LABEL)
         t1 = time.perf_counter()
         try:
@@ -440,7 +449,8 @@ class RolloutEngine:
 
     def _response(self, target: int | None, steps: list[StepReport], t0: float) -> UpdateResponse:
         return UpdateResponse(version=self.state.version, commitment=self.state.commitment,
-                              state_digest=self.state.state_digest, target=target, steps=steps,
+                              state_digest=self.state.state_digest,
+                              state_fingerprint=self.state.state_fingerprint, target=target, steps=steps,
                               total_s=time.perf_counter() - t0)
 
     async def _plan(self, target: int) -> list:
@@ -503,8 +513,7 @@ class RolloutEngine:
             _check_shards(ranks, f"v{step.version}")  # before any rank writes
             step.stage_s, step.changed = max(r["stage_s"] for r in ranks), ranks[0]["changed"]
             m = await asyncio.to_thread(self.chain.manifest, step.version)
-            written = await self._paused_write(step.version, m.commitment, m.state_digest, mode,
-                                               "deltasync_write", stage_id, step)
+            written = await self._paused_write(m, mode, "deltasync_write", stage_id, step)
             step.write_s = written["write_s"]
             a = time.perf_counter()
             audit = _merge_audits(await self.job_all("audit", stage_id))
@@ -543,21 +552,22 @@ class RolloutEngine:
         log.error("replica damaged: %s; refusing generation until %s", why, until)
         self.state.status = "damaged"
         self.state.damage = why
-        self.state.version, self.state.commitment, self.state.state_digest = None, "", ""
+        self.state.version, self.state.commitment = None, ""
+        self.state.state_digest, self.state.state_fingerprint = "", ""
         try:
             await self.engine.update_weight_version(DAMAGED_LABEL)
         except Exception:  # noqa: BLE001 - the status alone already refuses generation
             log.exception("labelling the damaged weights failed")
 
-    async def _paused_write(self, version: int, commitment: str, state_digest: str, mode: PauseMode,
-                            method: str, arg: str, step: StepReport, *, dense: bool = False) -> dict:
+    async def _paused_write(self, m: Manifest, mode: PauseMode, method: str, arg: str, step: StepReport, *,
+                            dense: bool = False) -> dict:
         """Pause, write, label, reset the prefix cache, resume. Returns the worker's answer.
 
         Whatever fails, generation resumes on one version or openly damaged: the state follows
         the worker as soon as it wrote; a failed dense write (``dense``, which leaves weights of
         no version) or a failed label or cache reset after a write marks the replica damaged
         before generation resumes."""
-        engine = self.engine
+        engine, version = self.engine, m.version
         async with self.write_lock:
             a = time.perf_counter()
             if not self.user_paused:
@@ -574,8 +584,8 @@ class RolloutEngine:
                         await self._damaged(f"dense load of v{version} failed: {e}")
                     raise
                 # the worker holds `version` now, whatever fails below
-                self.state.version, self.state.commitment = version, commitment
-                self.state.state_digest = state_digest
+                self.state.version, self.state.commitment = version, m.commitment
+                self.state.state_digest, self.state.state_fingerprint = m.state_digest, m.state_fingerprint
                 try:
                     await engine.update_weight_version(label_of(version))
                     await self._reset_prefix_cache(mode)
@@ -617,7 +627,8 @@ class RolloutEngine:
                     await self.rpc("deltasync_revert", stage_id)
                     held = await self.rpc("deltasync_held")
                     self.state.version, self.state.commitment = held["version"], held["commitment"]
-                    self.state.state_digest = held["state_digest"]
+                    self.state.state_digest, self.state.state_fingerprint = held["state_digest"], \
+                        held["state_fingerprint"]
                     await engine.update_weight_version(label_of(self.state.version))
                     await self._reset_prefix_cache(mode)
                 except BaseException as e:
@@ -638,6 +649,7 @@ class RolloutEngine:
                 await self.rpc("deltasync_adopt", json.dumps({"version": ref.version, "commitment": m.commitment,
                                                               "state_digest": m.state_digest}))
                 self.state.version, self.state.commitment = ref.version, m.commitment
+                self.state.state_fingerprint = m.state_fingerprint
                 try:  # the same weights: only the label of new tokens is at stake
                     await self.engine.update_weight_version(label_of(ref.version))
                 except BaseException as e:
@@ -658,8 +670,7 @@ class RolloutEngine:
                 await self.job("validate", str(path))
                 step.stage_s = time.perf_counter() - a
             # a failed load leaves weights of no version: damaged (before generation resumes)
-            r = await self._paused_write(ref.version, m.commitment, m.state_digest, mode,
-                                         "deltasync_load", json.dumps(arg), step, dense=True)
+            r = await self._paused_write(m, mode, "deltasync_load", json.dumps(arg), step, dense=True)
             step.write_s = r["load_s"] + r["verify_s"]
         finally:
             if ref.key is not None:
@@ -872,17 +883,15 @@ class RolloutEngine:
 
     async def _gather_pass(self) -> dict | None:
         key = self.weights_key()
-        held_state_digest = self.state.state_digest
-        digests, held = {}, {}
+        hashes, held, declared = {}, {}, {}
         for name, (dtype, shape) in self.specs.items():
             ranks = await self.rpc_all("deltasync_tensor", name)
             if self.weights_key() != key:
                 return None
-            held[name] = ranks[0]["held"]
-            digests[name] = _tensor_digest_of(ranks, held[name], math.prod(shape))
-        sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in self.specs.items()})
-        return {"state_digest": sd, "version": key[0], "commitment": key[1], "held_state_digest": held_state_digest,
-                "mismatched": sorted(n for n in digests if digests[n] != held[n])}
+            held[name], declared[name] = ranks[0]["held"], ranks[0]["declared"]
+            if (h := _tensor_hashes_of(ranks, dtype, math.prod(shape))) is not None:
+                hashes[name] = h
+        return {"version": key[0], "commitment": key[1], **compare_live(self.specs, held, declared, hashes)}
 
     async def _compute_digest(self, key: tuple) -> dict:
         try:

@@ -58,11 +58,11 @@ import torch
 
 from shared.apply import Patch, check_base
 from shared.changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced, map_batches
-from shared.codec import DeltaFile, Header, TensorChange, combine
+from shared.codec import DeltaFile, Header, TensorChange, TensorEntry, combine, holds
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
-from shared.fingerprint import Fingerprint, fingerprint_deltas, tensor_fingerprint
+from shared.fingerprint import Fingerprint, fingerprint_deltas, state_fingerprint, tensor_fingerprint
 
 from .mapping import LiveMap
 
@@ -72,22 +72,34 @@ DIGEST_PASSES = 3  # a live digest that writes interrupted this often holds the 
 
 @dataclass
 class Held:
-    """What this rank serves: the version, its commitment and every tensor's digest and
-    fingerprint (hex). For a tensor this rank holds in part, the fingerprint is the partial sum
-    over its own elements and the digest the declared one."""
+    """What this rank serves: the version, its commitment and every tensor's digest, declared
+    fingerprint and live fingerprint (hex). ``declared``: the whole tensor's, as the checkpoint
+    or the last delta that touched it says; ``fingerprints``: what this rank's elements add up
+    to (the whole tensor's, except for a tensor held in part: the partial sum over its own
+    elements). A digest is ``""`` when unknown: a delta published without digests touched the
+    tensor since the last dense load (the fingerprints stay exact)."""
 
     version: int | None
     commitment: str
     digests: dict[str, str]
     specs: dict[str, tuple[str, list[int]]]
     fingerprints: dict[str, str] = field(default_factory=dict)
+    declared: dict[str, str] = field(default_factory=dict)
 
     def copy(self) -> Held:
-        return Held(self.version, self.commitment, dict(self.digests), self.specs, dict(self.fingerprints))
+        return Held(self.version, self.commitment, dict(self.digests), self.specs, dict(self.fingerprints),
+                    dict(self.declared))
 
     @property
     def state_digest(self) -> str:
+        """The blake3 state digest, or "" while some tensor's digest is unknown."""
+        if not all(self.digests.get(n) for n in self.specs):
+            return ""
         return state_digest_from_entries({n: (d, s, self.digests[n]) for n, (d, s) in self.specs.items()})
+
+    @property
+    def state_fingerprint(self) -> str:
+        return state_fingerprint({n: (d, s, self.declared[n]) for n, (d, s) in self.specs.items()})
 
 
 @dataclass
@@ -117,13 +129,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 class LiveWeights:
     def __init__(self, model: torch.nn.Module, live: LiveMap, specs: Mapping[str, tuple[str, list[int]]],
                  digests: Mapping[str, str], fingerprints: Mapping[str, str] | None = None, *, audit_every: int = 8):
-        """``digests``/``fingerprints``: of the tensors the engine does not hold (read from the
-        checkpoint); the held ones are read back from the engine. ``audit_every``: K, the rolling
-        audit's period in versions."""
+        """``digests``/``fingerprints``: from the checkpoint, of the tensors the engine does not
+        hold whole (fingerprints: whole-tensor ones); the others are read back from the engine
+        (:meth:`read_back`). ``audit_every``: K, the rolling audit's period in versions."""
         if audit_every < 1:
             raise ValueError(f"audit_every must be >= 1, not {audit_every}")
         self.model, self.live = model, live
-        self.held = Held(None, "", dict(digests), dict(specs), dict(fingerprints or {}))
+        self.held = Held(None, "", dict(digests), dict(specs), dict(fingerprints or {}), dict(fingerprints or {}))
         self.audit_every = audit_every
         self._audit_order = sorted(live.map.tensors)
         self._audit_next = 0
@@ -155,10 +167,18 @@ class LiveWeights:
 
     def read_back(self) -> None:
         """Held digests and fingerprints from the live weights, for every tensor the engine holds
-        (digests of tensors held in part stay the declared ones)."""
+        (digests and declared fingerprints of tensors held in part stay the checkpoint's)."""
         digests, fps = self.live_hashes(self.live.map.tensors)
         self.held.digests.update(digests)
         self.held.fingerprints.update(fps)
+        self.held.declared.update({n: fp for n, fp in fps.items() if n in digests})
+
+    def hash_against(self, name: str, held_digest: str) -> tuple[str, str | None]:
+        """A whole tensor's live blake3 digest and, unless it is the held digest (which then
+        settles it), its live fingerprint: the audit's per-tensor answer (:func:`compare_live`)."""
+        t = self.live.read(name)
+        d = tensor_digest(t)
+        return d, None if d == held_digest else tensor_fingerprint(t).hex()
 
     def live_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
         """Digests read back from the engine (mapped tensors; ignored ones keep the held digest)."""
@@ -188,11 +208,11 @@ class LiveWeights:
             if e.dtype != dtype or e.shape != shape:
                 raise DeltaError("shape_mismatch", f"{name}: delta says {e.dtype}{e.shape}, "
                                  f"replica holds {dtype}{shape}")
-            if e.encoding == "same" and e.digest != self.held.digests[name]:
-                raise DeltaError("wrong_base", f"{name}: delta keeps digest {e.digest[:12]}…, "
-                                 f"replica holds {self.held.digests[name][:12]}…")
+            if e.encoding == "same" and e.fingerprint != self.held.declared[name]:
+                raise DeltaError("wrong_base", f"{name}: delta keeps fingerprint {e.fingerprint[:12]}…, "
+                                 f"replica holds {self.held.declared[name][:12]}…")
             if e.encoding != "same" and name not in self.live.map.tensors and not any(
-                    o.digest == e.digest and o.shape == e.shape and n in self.live.map.tensors
+                    o.fingerprint == e.fingerprint and o.shape == e.shape and n in self.live.map.tensors
                     for n, o in header.tensors.items()):
                 # A tensor the loader writes nowhere (a tied LM head listed in the checkpoint)
                 # may change only to the value of a tensor the engine holds: the tie carries it.
@@ -232,9 +252,9 @@ class LiveWeights:
                 # a tensor held in part: its held partial must follow, predict or not
                 if not self.live.whole(change.name) or predict and self._incremental(change, pieces):
                     pending.append((change.name, pieces))
-                elif predict:  # sent whole: by a scratch copy and its blake3 digest
+                elif predict:  # sent whole: by a scratch copy
                     a = time.perf_counter()
-                    self._predict_whole(change, pieces, header.tensors[change.name].digest)
+                    self._predict_whole(change, pieces, header.tensors[change.name])
                     t_predict += time.perf_counter() - a
             a = time.perf_counter()
             shards = self._predict(header, pending)
@@ -301,7 +321,7 @@ class LiveWeights:
                                  "fingerprint (wrong base or damaged delta); nothing written")
         return shards
 
-    def _predict_whole(self, change: TensorChange, pieces, digest: str) -> None:
+    def _predict_whole(self, change: TensorChange, pieces, entry: TensorEntry) -> None:
         ck_dtype = TORCH_DTYPES[self.held.specs[change.name][0]]
         after = self.live.read(change.name).reshape(-1).clone()
         bits = _bits(after)
@@ -312,7 +332,7 @@ class LiveWeights:
                 bits.index_copy_(0, positions, new_ck)
         if after.dtype != ck_dtype:
             after = after.to(ck_dtype)
-        if tensor_digest(after) != digest:
+        if not holds(entry, after):
             raise DeltaError("digest_mismatch", f"{change.name}: applying would not give the "
                              "declared digest (wrong base or damaged delta); nothing written")
 
@@ -335,7 +355,8 @@ class LiveWeights:
         staged.previous = self.held.copy()
         h = staged.header
         for name, e in h.tensors.items():
-            self.held.digests[name] = e.digest
+            self.held.digests[name] = e.digest or (self.held.digests[name] if e.encoding == "same" else "")
+            self.held.declared[name] = e.fingerprint
             if name in staged.shards:
                 self.held.fingerprints[name] = staged.shards[name][0]
             elif name not in self.live.map.tensors or self.live.whole(name):  # else: a partial, unchanged
@@ -459,23 +480,26 @@ class LiveWeights:
                                             if n in self.live.map.tensors)
         t_load = time.perf_counter() - t0
         if unbound := self.unbound():  # the loader replaced a parameter: the map reads stale storage
-            self.held = Held(None, "", dict(self.held.digests), self.held.specs, dict(self.held.fingerprints))
+            self.held = Held(None, "", dict(self.held.digests), self.held.specs, dict(self.held.fingerprints),
+                             dict(self.held.declared))
             raise DeltaError("digest_mismatch", f"after loading v{version} densely, {unbound[0]} is no "
                              "longer the parameter this replica writes into")
         mapped = [n for n in self.held.specs if n in self.live.map.tensors]
         digests, fps = self.live_hashes(mapped)
         shards = {n: (fps[n], file_fps.get(n, "")) for n in split}
+        declared = {n: fp for n, fp in fps.items() if n not in split}
         for n in self.held.specs:
             if n not in digests:
                 digests[n] = file_digests.get(n) or (header.tensors[n].digest if header else "")
-            if n not in fps:
-                fps[n] = file_fps.get(n) or (header.tensors[n].fingerprint if header else "")
+            if n not in declared:
+                declared[n] = file_fps.get(n) or (header.tensors[n].fingerprint if header else "")
+            fps.setdefault(n, declared[n])
         sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in self.held.specs.items()})
         if sd != state_digest:
-            self.held = Held(None, "", digests, self.held.specs, fps)
+            self.held = Held(None, "", digests, self.held.specs, fps, declared)
             raise DeltaError("digest_mismatch", f"after loading v{version} densely the live state "
                              f"digest is {sd[:12]}…, expected {state_digest[:12]}…")
-        self.held = Held(version, commitment, digests, self.held.specs, fps)
+        self.held = Held(version, commitment, digests, self.held.specs, fps, declared)
         return {"load_s": t_load, "verify_s": time.perf_counter() - t0 - t_load, "shards": shards}
 
     def adopt(self, *, version: int, commitment: str, state_digest: str) -> None:
@@ -502,5 +526,24 @@ def check_shards(per_rank: list[Mapping[str, tuple[str, str] | list[str]]]) -> l
     return sorted(n for n, fp in total.items() if expected[n] != {fp.hex()})
 
 
-def genesis_commitment(state_digest: str) -> str:
-    return chain_step("", state_digest)
+def compare_live(specs: Mapping[str, tuple[str, list[int]]], held_digests: Mapping[str, str],
+                 declared: Mapping[str, str], live: Mapping[str, tuple[str, str | None]]) -> dict:
+    """A full audit's verdict: the live state digest and fingerprint, and the tensors that are
+    not what is held. ``live``: per tensor read back, (blake3 digest, fingerprint or None when
+    the digest is the held one); a tensor not read (not held by the engine) counts as held.
+    A tensor whose digest is known must match it; one whose digest is unknown (touched by deltas
+    published without digests) must match its declared fingerprint."""
+    digests, fps, bad = {}, {}, []
+    for n in specs:
+        d, fp = live.get(n, (held_digests[n], None))
+        fp = declared[n] if fp is None else fp
+        if (d != held_digests[n]) if held_digests[n] else (fp != declared[n]):
+            bad.append(n)
+        digests[n], fps[n] = d, fp
+    return {"state_digest": state_digest_from_entries({n: (t, s, digests[n]) for n, (t, s) in specs.items()}),
+            "state_fingerprint": state_fingerprint({n: (t, s, fps[n]) for n, (t, s) in specs.items()}),
+            "mismatched": sorted(bad)}
+
+
+def genesis_commitment(state_fingerprint: str) -> str:
+    return chain_step("", state_fingerprint)

@@ -213,8 +213,8 @@ def create_app(args: Namespace) -> FastAPI:
             raw_request.app.state.update_task = task
             s = replica.state
             return JSONResponse(UpdateResponse(version=s.version, commitment=s.commitment,
-                                               state_digest=s.state_digest, target=req.version
-                                               ).model_dump(), status_code=202)
+                                               state_digest=s.state_digest, state_fingerprint=s.state_fingerprint,
+                                               target=req.version).model_dump(), status_code=202)
         try:
             resp = await replica.update(req.version, mode)
         except UpdateRefused as e:
@@ -226,7 +226,8 @@ def create_app(args: Namespace) -> FastAPI:
     async def version():
         s, report = replica.state, replica.write_probe_report
         return JSONResponse(VersionResponse(
-            version=s.version, commitment=s.commitment, state_digest=s.state_digest, status=s.status,  # type: ignore[arg-type]
+            version=s.version, commitment=s.commitment, state_digest=s.state_digest,
+            state_fingerprint=s.state_fingerprint, status=s.status,  # type: ignore[arg-type]
             model=args.model, store=args.store, latest_seen=s.latest_seen, damage=s.damage,
             write_probe={k: report[k] for k in PROBE_SUMMARY if k in report} if report else None).model_dump())
 
@@ -257,10 +258,9 @@ def create_app(args: Namespace) -> FastAPI:
         if fresh:
             authorized(request)
         d, cached = await replica.live_digest(fresh=fresh)
-        return DigestResponse(version=d["version"], commitment=d["commitment"],
-                              state_digest=d["state_digest"],
-                              matches_held=d["state_digest"] == d["held_state_digest"],
-                              seconds=d["digest_s"], cached=cached)
+        return DigestResponse(version=d["version"], commitment=d["commitment"], state_digest=d["state_digest"],
+                              state_fingerprint=d["state_fingerprint"], matches_held=not d["mismatched"],
+                              mismatched=d["mismatched"], seconds=d["digest_s"], cached=cached)
 
     @app.get("/health")
     async def health():

@@ -44,7 +44,7 @@ from shared.errors import DeltaError
 
 from .cpu_weights import keep_plain_cpu_weights
 from .mapping import EngineMap, LiveMap, build_map, checkpoint_specs, map_key, param_specs
-from .live_weights import DIGEST_PASSES, LiveWeights, Staged
+from .live_weights import DIGEST_PASSES, LiveWeights, Staged, compare_live
 
 keep_plain_cpu_weights()
 log = logging.getLogger("rollout_space.worker")
@@ -153,7 +153,8 @@ class DeltaWorkerExtension:
                                      "after loading")
             shards = {n: (weights.held.fingerprints[n], file_fps[n]) for n in split}  # the server adds them up
             self._deltasync_state = _State(weights, emap)
-            return _ok(state_digest=weights.held.state_digest, tensors=len(emap.tensors), shards=shards,
+            return _ok(state_digest=weights.held.state_digest, state_fingerprint=weights.held.state_fingerprint,
+                       tensors=len(emap.tensors), shards=shards,
                        specs=weights.held.specs,
                        ignored=emap.ignored, runs=emap.runs, map_built=built, map_s=t_map,
                        map_build_s=emap.build_s, digest_s=time.perf_counter() - t1, key=key,
@@ -249,16 +250,17 @@ class DeltaWorkerExtension:
 
     def deltasync_tensor(self, name: str) -> str:
         """One tensor for a live digest under tensor parallelism, read under the weights lock:
-        its blake3 digest when this rank holds it whole, else this rank's runs (checkpoint start,
-        length) and their bytes (base64), for the server to put together; with the held digest."""
+        its blake3 digest (and fingerprint, see :meth:`LiveWeights.hash_against`) when this rank
+        holds it whole, else this rank's runs (checkpoint start, length) and their bytes
+        (base64), for the server to put together; with the held digest and declared fingerprint."""
         try:
             st = self._ds()
             w = st.weights
             with st.lock:
-                out: dict[str, Any] = {"held": w.held.digests[name]}
+                out: dict[str, Any] = {"held": w.held.digests[name], "declared": w.held.declared[name]}
                 if name in w.live.map.tensors:
                     if w.live.whole(name):
-                        out["digest"] = w.digest(name)
+                        out["digest"], out["fingerprint"] = w.hash_against(name, out["held"])
                     else:
                         runs = list(w.live.runs(name))
                         data = torch.cat([r.reshape(-1) for _, r in runs]).view(torch.uint8)
@@ -270,28 +272,19 @@ class DeltaWorkerExtension:
 
     def _ds_digest_pass(self, st: _State, *, whole: bool) -> dict | None:
         """One pass; None when a write came between two tensors (``whole``: none can)."""
-        from shared.digest import state_digest_from_entries
-
         outer, inner = (st.lock, nullcontext()) if whole else (nullcontext(), st.lock)
         with outer:
             with inner:
-                writes, held = st.writes, st.weights.held
-                version, commitment, specs = held.version, held.commitment, held.specs
-                held_digests, held_state_digest = dict(held.digests), held.state_digest
+                writes, held = st.writes, st.weights.held.copy()
+            hashes: dict[str, tuple[str, str | None]] = {}
             live = st.weights.live.map.tensors
-            digests: dict[str, str] = {}
-            for name in specs:
-                if name not in live:
-                    digests[name] = held_digests[name]
-                    continue
+            for name in (n for n in held.specs if n in live):
                 with inner:
                     if st.writes != writes:
                         return None
-                    digests[name] = st.weights.digest(name)
-        sd = state_digest_from_entries({n: (d, s, digests[n]) for n, (d, s) in specs.items()})
-        return {"state_digest": sd, "version": version, "commitment": commitment,
-                "held_state_digest": held_state_digest,
-                "mismatched": sorted(n for n in digests if digests[n] != held_digests[n])}
+                    hashes[name] = st.weights.hash_against(name, held.digests[name])
+        return {"version": held.version, "commitment": held.commitment,
+                **compare_live(held.specs, held.digests, held.declared, hashes)}
 
     # ------------------------------------------------------------------ writes (paused)
     def deltasync_write(self, stage: str) -> str:
@@ -408,4 +401,5 @@ class DeltaWorkerExtension:
 
     def deltasync_held(self) -> str:
         h = self._ds().weights.held
-        return _ok(version=h.version, commitment=h.commitment, state_digest=h.state_digest)
+        return _ok(version=h.version, commitment=h.commitment, state_digest=h.state_digest,
+                   state_fingerprint=h.state_fingerprint)

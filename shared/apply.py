@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from .changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced, map_batches
-from .codec import DeltaFile, Header, TensorChange
-from .digest import TORCH_DTYPES, tensor_digest
+from .codec import DeltaFile, Header, TensorChange, TensorEntry, holds
+from .digest import TORCH_DTYPES
 from .errors import DeltaError
 
 
@@ -194,10 +194,11 @@ class _Writes:
             raise self.error
 
 
-def write_all(patches: list[Patch | InPlacePatch], verify: Mapping[str, str] | None = None,
-           target: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Write all patches (several tensors at a time); if a digest in ``verify`` (name -> digest)
-    then fails, or anything else does, revert every write.
+def write_all(patches: list[Patch | InPlacePatch], verify: Mapping[str, TensorEntry] | None = None,
+              target: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Write all patches (several tensors at a time); if a tensor in ``verify`` (name -> its
+    entry) then does not hold the entry's target (:func:`~shared.codec.holds`: by digest, or by
+    fingerprint where the delta has no digest), or anything else fails, revert every write.
 
     All or nothing under threads too: after a failed write no other batch writes, and the
     rollback starts only once every write in flight has finished."""
@@ -205,9 +206,9 @@ def write_all(patches: list[Patch | InPlacePatch], verify: Mapping[str, str] | N
     try:
         writes.run(patches)
         names = list(verify or {})
-        digests = map_balanced(lambda n: tensor_digest(target[n]), names, [target[n].numel() for n in names])
-        for name, digest in zip(names, digests):
-            if digest != verify[name]:
+        held = map_balanced(lambda n: holds(verify[n], target[n]), names, [target[n].numel() for n in names])
+        for name, ok in zip(names, held):
+            if not ok:
                 raise DeltaError("digest_mismatch", f"{name}: digest after apply does not match")
     except BaseException:
         writes.stop()  # an interrupt while waiting on the threads: let them finish first
@@ -226,7 +227,7 @@ def apply_delta(delta: DeltaFile, target: Mapping[str, torch.Tensor] | torch.nn.
     state = module_state(target) if isinstance(target, torch.nn.Module) else target
     check_base(delta.header, version=version, commitment=commitment, state_digest=state_digest)
     patches = prepare(delta, state)
-    touched = {p.name: delta.header.tensors[p.name].digest for p in patches} if verify else None
+    touched = {p.name: delta.header.tensors[p.name] for p in patches} if verify else None
     with torch.no_grad():
         write_all(patches, touched, state)
     return delta.header

@@ -85,7 +85,8 @@ class Manifest(BaseModel):
     version: int
     commitment: str
     base_commitment: str
-    state_digest: str
+    state_fingerprint: str
+    state_digest: str = ""  # blake3; "" for a delta version published without digests
     created: float
     objects: list[ObjectRef]
     changed: int = 0  # elements changed since the previous version
@@ -178,8 +179,9 @@ class Chain:
         """An object whose bytes match its manifest entry can still hold another version (a
         manifest written against the wrong file): its header must name what the manifest does."""
         m = self.manifest(ref.version)
-        said = (header.kind, header.version, header.commitment, header.state_digest)
-        if said != (ref.kind, ref.version, m.commitment, m.state_digest) or (
+        said = (header.kind, header.version, header.commitment, header.state_fingerprint)
+        if said != (ref.kind, ref.version, m.commitment, m.state_fingerprint) or (
+                header.state_digest and m.state_digest and header.state_digest != m.state_digest) or (
                 ref.kind == "delta" and header.base_version != ref.base_version):
             raise DeltaError("corrupt", f"{ref.key} holds {header.kind} v{header.version} (commitment "
                                         f"{header.commitment[:12]}), not the {ref.kind} of v{ref.version} that "
@@ -299,7 +301,8 @@ class Chain:
             self.store.put(obj_key, data)
         m = Manifest(version=header.version, commitment=header.commitment,
                      base_commitment=header.base_commitment,
-                     state_digest=header.state_digest, created=time.time(), objects=refs,
+                     state_fingerprint=header.state_fingerprint, state_digest=header.state_digest,
+                     created=time.time(), objects=refs,
                      changed=changed, numel=numel or header.numel, dense_bytes=dense_bytes or header.dense_bytes)
         if not self.store.create(key, m.model_dump_json(indent=1).encode()):
             held = self.manifest(m.version, refresh=True)
@@ -433,7 +436,7 @@ def _rebuild(chain: Chain, plan: list[ObjectRef], base, progress: bool) -> tuple
                                      f"(the external checkpoint {ref.external!r})")
                 header = Header(kind="anchor", version=ref.version, commitment=m.commitment,
                                 base_commitment=m.base_commitment, state_digest=m.state_digest,
-                                tensors={})
+                                state_fingerprint=m.state_fingerprint, tensors={})
             else:
                 with tempfile.TemporaryDirectory(prefix="deltasync-anchor-") as tmp:
                     f = DeltaFile.open(chain.download(ref, Path(tmp) / "anchor.safetensors"))

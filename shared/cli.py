@@ -197,13 +197,14 @@ def _write_checkpoint(state: dict, h: Header, output: Path, as_json: bool = Fals
     """Save as an anchor that keeps its chain position, so it can be the base of later deltas."""
     header = anchor_header(state, version=h.version, base_version=h.base_version,
                            base_commitment=h.base_commitment, via=h.via)
-    assert header.commitment == h.commitment and header.state_digest == h.state_digest
+    assert header.commitment == h.commitment and h.state_digest in ("", header.state_digest)
     _write_atomic(output, lambda tmp: save_anchor(state, tmp, header))
     if as_json:
-        _emit({"output": str(output), "version": h.version, "state_digest": h.state_digest,
-               "commitment": h.commitment, "file_bytes": output.stat().st_size})
+        _emit({"output": str(output), "version": h.version, "state_digest": header.state_digest,
+               "state_fingerprint": header.state_fingerprint, "commitment": h.commitment,
+               "file_bytes": output.stat().st_size})
     else:
-        typer.echo(f"{output}: v{h.version}, state digest {h.state_digest}")
+        typer.echo(f"{output}: v{h.version}, state digest {header.state_digest}")
 
 
 JSON = typer.Option(False, "--json", help="print one JSON object (for scripts) instead of text")
@@ -259,6 +260,7 @@ def apply(base: Path = typer.Argument(..., metavar="BASE", help="checkpoint the 
     """
     from .apply import apply_delta, flat_bits, make_patch, write_all
     from .digest import state_digest
+    from .fingerprint import state_fingerprint_of
     from .trl_format import is_trl_delta, read_trl_delta
 
     _output(output)
@@ -282,7 +284,7 @@ def apply(base: Path = typer.Argument(..., metavar="BASE", help="checkpoint the 
         h = apply_delta(d, state, version=bh.version, commitment=bh.commitment)
     else:
         h = apply_delta(d, state, state_digest=state_digest(state))
-    if state_digest(state) != h.state_digest:
+    if state_fingerprint_of(state) != h.state_fingerprint or (h.state_digest and state_digest(state) != h.state_digest):
         raise DeltaError("digest_mismatch", "result's state digest differs from the delta's")
     _write_checkpoint(state, h, output, as_json)
 
@@ -331,14 +333,19 @@ def inspect(delta: Path = typer.Argument(..., metavar="FILE", help="a deltasync 
 @app.command()
 def digest(checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="a .safetensors file or a model folder"),
            as_json: bool = JSON) -> None:
-    """Print the state digest of a checkpoint (file or sharded folder)."""
+    """Print the state digest of a checkpoint (file or sharded folder).
+
+    With --json also its state fingerprint, which every manifest names (a delta version published
+    with digests only at anchors names no state digest).
+    """
     from .digest import state_digest
+    from .fingerprint import state_fingerprint_of
 
     state, _ = _load(checkpoint, "CHECKPOINT")
     sd = state_digest(state)
     if as_json:
-        _emit({"checkpoint": str(checkpoint), "state_digest": sd, "tensors": len(state),
-               "numel": sum(t.numel() for t in state.values())})
+        _emit({"checkpoint": str(checkpoint), "state_digest": sd, "state_fingerprint": state_fingerprint_of(state),
+               "tensors": len(state), "numel": sum(t.numel() for t in state.values())})
     else:
         typer.echo(sd)
 
@@ -356,6 +363,8 @@ def push(store: str = STORE,
                                           help="publish a version even when CHECKPOINT equals the latest"),
          keep_anchors: int = typer.Option(2, min=1, help="after an anchor, delete versions older than the "
                                                          "newest KEEP_ANCHORS anchors"),
+         digests: str = typer.Option("every", help="hash tensors whole with blake3 for every version, or "
+                                                   "only for anchors (deltas then name fingerprints alone)"),
          as_json: bool = JSON) -> None:
     """Publish CHECKPOINT as the store's next version.
 
@@ -368,8 +377,11 @@ def push(store: str = STORE,
     import torch
 
     from .chain import Chain, reconstruct
-    from .digest import state_digest
-    from .publisher import DeltaPublisher
+    from .fingerprint import state_fingerprint_of
+    from .publisher import DIGESTS, DeltaPublisher
+
+    if digests not in DIGESTS:
+        raise _bad("--digests", f"{digests!r} is not one of {', '.join(DIGESTS)}")
 
     new = load_state(checkpoint)
     cast = {n: _dtype(t) for n, t in new.items() if t.is_floating_point() and t.dtype != torch.bfloat16}
@@ -383,13 +395,13 @@ def push(store: str = STORE,
         latest = chain.latest()
         state = new
         if latest is not None:
-            if state_digest(new) == chain.manifest(latest.version).state_digest and not allow_empty:
+            if state_fingerprint_of(new) == chain.manifest(latest.version).state_fingerprint and not allow_empty:
                 raise Refused(f"{checkpoint} equals v{latest.version}, the latest in {store}: nothing to "
                               "publish (--allow-empty publishes an unchanged version anyway)")
             state = reconstruct(chain, progress=_bars(as_json))[0]
             _same_layout(state, new, f"v{latest.version}", str(checkpoint),
                          "; a chain keeps the same tensors, shapes and dtypes")
-        with DeltaPublisher(state, chain.store, compact=compact, keep_anchors=keep_anchors) as pub:
+        with DeltaPublisher(state, chain.store, compact=compact, keep_anchors=keep_anchors, digests=digests) as pub:
             if latest is not None:
                 for n in state:
                     state[n].copy_(new[n])

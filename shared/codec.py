@@ -17,15 +17,21 @@ a table fitted to the blob) or ``"zstd"`` over byte planes; see :mod:`shared.ent
 
 Tensors of other dtypes that changed are stored whole under their own name (``"full"``).
 The safetensors metadata key ``deltasync`` holds a JSON :class:`Header` (checksummed by
-``deltasync_blake3``): versions, base and target commitments, state digests and state
-fingerprints and, for every tensor, its dtype, shape, digest, fingerprint, change count, encoding
+``deltasync_blake3``): versions, base and target commitments, state fingerprints and state
+digests and, for every tensor, its dtype, shape, fingerprint, digest, change count, encoding
 and coders; ``payload_blake3`` covers every blob, so damage anywhere in the file is found before
 any weight changes.
 
-Format version 2 added the fingerprints (:mod:`shared.fingerprint`): a tensor's target
-fingerprint follows from its base fingerprint and the old and new bits at the changed positions
-alone, so a replica checks what a write will produce in O(changes), where a blake3 digest needs
-the whole tensor. Version 1 files are refused with a message saying so.
+Identity is the fingerprint (:mod:`shared.fingerprint`): a tensor's target fingerprint follows
+from its base fingerprint and the old and new bits at the changed positions alone, so a writer
+and a replica both get it in O(changes), and a version's commitment binds its state fingerprint
+(:func:`chain_commitment`). blake3 digests (whole tensors, O(model)) are always in an anchor and
+optional in a delta: an entry's ``digest`` is ``""`` when its writer did not compute it, and the
+header's ``state_digest`` is ``""`` unless every entry has one.
+
+Format history: 1 had no fingerprints; 2 added them but chained commitments over blake3 state
+digests, so every delta needed every touched tensor hashed whole; 3 chains them over state
+fingerprints. Files of versions 1 and 2 are refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ from .fingerprint import fingerprints as fingerprints_of
 
 FORMAT = "deltasync"
 _HEX64 = re.compile("[0-9a-f]{64}")
-FORMAT_VERSION = 2  # 2: fingerprints in every entry and the header
+FORMAT_VERSION = 3  # 3: commitments over state fingerprints; blake3 digests optional in deltas
 POS, VAL = "::pos", "::val"
 # (shift, mask) of the exponent field in each float dtype's bits: the class of an element
 EXPONENT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F), torch.float32: (23, 0xFF)}
@@ -86,8 +92,8 @@ Encoding = Literal["same", "xor", "add", "set", "full"]
 class TensorEntry(BaseModel):
     dtype: str
     shape: list[int]
-    digest: str  # tensor digest of the target
-    fingerprint: str = ""  # tensor fingerprint of the target (format 2: always set)
+    digest: str = ""  # blake3 tensor digest of the target ("": not computed; always set in an anchor)
+    fingerprint: str = ""  # tensor fingerprint of the target (always set in a file)
     changed: int = 0
     encoding: Encoding = "same"
     positions: Literal["gaps", "classed", "all"] | None = None
@@ -108,10 +114,10 @@ class Header(BaseModel):
     base_commitment: str = ""
     base_state_digest: str = ""  # lets a plain checkpoint (no commitment) be checked as the base
     commitment: str
-    state_digest: str
-    state_fingerprint: str = ""  # of the target, from the entries' fingerprints (format 2: always set)
-    # State digests of the versions a squashed delta skips over, oldest first: the commitment
-    # chains through them, so it stays verifiable from the header alone.
+    state_fingerprint: str  # of the target, from the entries' fingerprints
+    state_digest: str = ""  # from the entries' digests when every entry has one, else ""
+    # State fingerprints of the versions a squashed delta skips over, oldest first: the
+    # commitment chains through them, so it stays verifiable from the header alone.
     via: list[str] = []
     payload_blake3: str = ""  # over every blob, so damage is found before any weight changes
     tensors: dict[str, TensorEntry]
@@ -130,7 +136,9 @@ class Header(BaseModel):
 
 
 def entries_digest(entries: Mapping[str, TensorEntry]) -> str:
-    """The state digest a header's tensor entries add up to."""
+    """The state digest a header's tensor entries add up to ("" if some entry has no digest)."""
+    if not all(e.digest for e in entries.values()):
+        return ""
     return state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
 
 
@@ -139,10 +147,11 @@ def entries_fingerprint(entries: Mapping[str, TensorEntry]) -> str:
     return state_fingerprint({n: (e.dtype, e.shape, e.fingerprint) for n, e in entries.items()})
 
 
-def chain_commitment(base_commitment: str, state_digests: list[str]) -> str:
+def chain_commitment(base_commitment: str, state_fingerprints: list[str]) -> str:
+    """The commitment after one version per state fingerprint (several: a squashed delta's)."""
     c = base_commitment
-    for sd in state_digests:
-        c = commitment(c, sd)
+    for sf in state_fingerprints:
+        c = commitment(c, sf)
     return c
 
 
@@ -367,6 +376,11 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
                         base_fingerprint=base_fingerprint, compact=compact)
 
 
+def _digest(t: torch.Tensor, digest: str | None) -> str:
+    """``digest`` when the caller knows it or passed ``""`` (not wanted), else computed."""
+    return tensor_digest(t) if digest is None else digest
+
+
 def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
                   digest: str | None = None, same_digest: str | None = None,
                   threads: bool = True) -> EncodedTensor | Changes | DenseChange:
@@ -381,7 +395,7 @@ def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
     new = new.contiguous()
 
     def entry() -> TensorEntry:
-        return TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape), digest=digest or tensor_digest(new))
+        return TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape), digest=_digest(new, digest))
 
     if new.dtype not in INT_VIEW:
         if raw_bytes(old) == raw_bytes(new):
@@ -439,7 +453,7 @@ def _encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes |
     if isinstance(found, EncodedTensor):
         return found
     n = unsigned_view(new)
-    entry = TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape), digest=digest or tensor_digest(new))
+    entry = TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape), digest=_digest(new, digest))
     if isinstance(found, DenseChange):
         mode = choose_mode(found.xor, lambda k=None: n[:k])
         return sparse_entry(entry, name, None, mode, value_bits(mode, found.xor, n), found.count)
@@ -498,7 +512,9 @@ def encode_state(base: Mapping[str, torch.Tensor],
 
 
 def _metadata(header: Header) -> dict[str, str]:
-    text = header.model_dump_json(exclude_defaults=True)
+    # the format version always written out (before format 3 it was left out as a default)
+    text = json.dumps({"format_version": header.format_version, **header.model_dump(mode="json", exclude_defaults=True)},
+                      separators=(",", ":"))
     return {"format": FORMAT, "deltasync": text, "deltasync_blake3": blake3.blake3(text.encode()).hexdigest()}
 
 
@@ -506,11 +522,11 @@ def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_vers
                 base_commitment: str, base_state_digest: str = "",
                 via: list[str] = ()) -> tuple[Header, dict[str, torch.Tensor]]:
     entries = {n: e.entry for n, e in encoded.items()}
-    sd = entries_digest(entries)
+    sf = entries_fingerprint(entries)
     header = Header(kind="delta", version=version, base_version=base_version,
                     base_commitment=base_commitment, base_state_digest=base_state_digest, via=list(via),
-                    commitment=chain_commitment(base_commitment, [*via, sd]),
-                    state_digest=sd, state_fingerprint=entries_fingerprint(entries),
+                    commitment=chain_commitment(base_commitment, [*via, sf]),
+                    state_digest=entries_digest(entries), state_fingerprint=sf,
                     tensors=dict(sorted(entries.items())))
     tensors = {k: v for e in encoded.values() for k, v in e.blobs.items()}
     header.payload_blake3 = payload_digest(tensors)
@@ -557,11 +573,11 @@ def anchor_header(state: Mapping[str, torch.Tensor], *, version: int,
     entries = {n: TensorEntry(dtype=dtype_name(t.dtype), shape=list(t.shape), digest=digests[n],
                               fingerprint=fps[n].hex(), changed=t.numel(), encoding="full")
                for n, t in sorted(state.items())}
-    sd = entries_digest(entries)
+    sf = entries_fingerprint(entries)
     return Header(kind="anchor", version=version, base_version=base_version,
                   base_commitment=base_commitment, via=list(via),
-                  commitment=chain_commitment(base_commitment, [*via, sd]),
-                  state_digest=sd, state_fingerprint=entries_fingerprint(entries), tensors=entries)
+                  commitment=chain_commitment(base_commitment, [*via, sf]),
+                  state_digest=entries_digest(entries), state_fingerprint=sf, tensors=entries)
 
 
 def save_anchor(state: Mapping[str, torch.Tensor], path: str | Path, header: Header) -> None:
@@ -584,24 +600,35 @@ def _parse_header(raw: bytes, where: str = "") -> Header:
                                        "deltasync metadata)")
         if blake3.blake3(meta["deltasync"].encode()).hexdigest() != meta.get("deltasync_blake3"):
             raise DeltaError("corrupt", f"{where}header checksum mismatch")
-        header = Header.model_validate_json(meta["deltasync"])
+        retired = not meta["deltasync"].startswith('{"format_version":')  # formats 1 and 2 left it out
+        if not retired:
+            header = Header.model_validate_json(meta["deltasync"])
     except (ValueError, ValidationError, AttributeError) as e:
         raise DeltaError("format", f"{where}unreadable header: {str(e).splitlines()[0]}") from None
-    if header.format_version == 1:
-        raise DeltaError("format", f"{where}format version 1 (before tensor fingerprints) is no longer read; "
-                                   "publish the chain again with this deltasync (its anchors load as checkpoints)")
+    if retired:
+        raise DeltaError("format", f"{where}format version 1 or 2 (commitments over blake3 state digests) is no "
+                                   "longer read; publish the chain again with this deltasync (its anchors load as "
+                                   "checkpoints)")
     if header.format_version != FORMAT_VERSION:
         raise DeltaError("format", f"{where}format version {header.format_version} is not supported "
                                    f"(this deltasync reads {FORMAT_VERSION})")
-    sd = entries_digest(header.tensors)
-    if sd != header.state_digest:
+    if not all(e.digest == "" or _is_hex64(e.digest) for e in header.tensors.values()) or \
+            entries_digest(header.tensors) != header.state_digest or (header.kind == "anchor" and not header.state_digest):
         raise DeltaError("corrupt", "header's tensor digests do not add up to its state digest")
     if entries_fingerprint(header.tensors) != header.state_fingerprint or not all(
             _is_hex64(e.fingerprint) for e in header.tensors.values()):
         raise DeltaError("corrupt", "header's tensor fingerprints do not add up to its state fingerprint")
-    if header.commitment != chain_commitment(header.base_commitment, [*header.via, header.state_digest]):
-        raise DeltaError("corrupt", "header's commitment does not follow from its base and digests")
+    if header.commitment != chain_commitment(header.base_commitment, [*header.via, header.state_fingerprint]):
+        raise DeltaError("corrupt", "header's commitment does not follow from its base and state fingerprints")
     return header
+
+
+def holds(entry: TensorEntry, t: torch.Tensor) -> bool:
+    """Whether ``t`` is the entry's target: by its blake3 digest where the entry has one, else by
+    its fingerprint."""
+    if entry.digest:
+        return tensor_digest(t) == entry.digest
+    return tensor_fingerprint(t).hex() == entry.fingerprint
 
 
 def _is_hex64(text: str) -> bool:
@@ -771,7 +798,7 @@ class DeltaFile:
             return None
         if e.encoding == "full":
             t = self.tensor(name)
-            if t.dtype != TORCH_DTYPES[e.dtype] or list(t.shape) != e.shape or tensor_digest(t) != e.digest:
+            if t.dtype != TORCH_DTYPES[e.dtype] or list(t.shape) != e.shape or not holds(e, t):
                 raise DeltaError("corrupt", f"{name}: full tensor does not match its header entry")
             return TensorChange(name, "full", None, t)
         iv = INT_VIEW[TORCH_DTYPES[e.dtype]]

@@ -5,8 +5,11 @@ Other tools recompute these, so the byte-level definitions here are the contract
 * tensor digest: ``blake3(raw little-endian C-order bytes).hexdigest()``
 * state digest: ``blake3(lines)`` with one ``f"{name}\\t{dtype}\\t{shape}\\t{digest}\\n"`` per
   tensor in name order; dtype is the safetensors string, shape the comma-joined dims.
-* commitment: ``blake3(base_commitment + state_digest)`` (hex strings, UTF-8); the genesis
-  anchor's base commitment is ``""``.
+* commitment: ``blake3(base_commitment + state_fingerprint)`` (hex strings, UTF-8; the state
+  fingerprint is :func:`shared.fingerprint.state_fingerprint`); the genesis anchor's base
+  commitment is ``""``. (DESIGN.md chains state digests; format 3 chains fingerprints, so a
+  version's identity costs O(changes) to compute, and blake3 digests are needed only for
+  anchors and audits.)
 """
 
 from __future__ import annotations
@@ -92,5 +95,5 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     )
 
 
-def commitment(base_commitment: str, state_digest_hex: str) -> str:
-    return blake3.blake3((base_commitment + state_digest_hex).encode()).hexdigest()
+def commitment(base_commitment: str, state_fingerprint_hex: str) -> str:
+    return blake3.blake3((base_commitment + state_fingerprint_hex).encode()).hexdigest()

@@ -65,7 +65,8 @@ from .lock import WriterLock
 from .stores import Store, open_store
 
 log = logging.getLogger("deltasync.publisher")
-_ENCODED_FIELDS = frozenset({"kind", "payload_bytes", "commitment", "state_digest", "encoder_s"})
+_ENCODED_FIELDS = frozenset({"kind", "payload_bytes", "commitment", "state_fingerprint", "state_digest", "encoder_s"})
+DIGESTS = ("every", "anchors")
 
 
 @dataclass
@@ -79,18 +80,19 @@ class PublishReport:
     int32_bf16_bytes: int  # the TRL prototype format's size for the same change
     encode_s: float  # how long publish() held the training loop
     # how long the encoder thread took, off the training loop: fingerprints, digests of the
-    # touched tensors, entropy coding, the delta file (and an anchor when one is due)
+    # touched tensors (digests="every"), entropy coding, the delta file (and an anchor when due)
     encoder_s: float = 0.0
     upload_s: float = 0.0
     notify_s: float = 0.0
     commitment: str = ""
-    state_digest: str = ""
+    state_fingerprint: str = ""
+    state_digest: str = ""  # blake3; "" for a delta version when digests="anchors"
     # url -> the replica's /update answer (JSON), or {"error": ...} when refused or unreachable
     replicas: dict[str, dict] = field(default_factory=dict)
     error: str | None = None  # why the upload failed for good ("failed"), or why it was skipped
     dropped: list[int] = field(default_factory=list)  # versions retention deleted after this one landed
     _done: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
-    # set once the encoder filled in kind, payload_bytes, commitment, state_digest and encoder_s
+    # set once the encoder filled in the fields in _ENCODED_FIELDS
     _encoded: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
     _waiting: int = field(default=0, repr=False, compare=False)  # replicas yet to answer
     _notify_t0: float = field(default=0.0, repr=False, compare=False)
@@ -160,6 +162,14 @@ class DeltaPublisher:
     for positions at RL learning rates), at the price of a pass over each changed tensor at
     both ends.
 
+    ``digests``: when to hash tensors whole with blake3. A version's identity (its commitment)
+    binds its state fingerprint, which the publisher keeps up to date in O(changes), so blake3
+    digests are an audit, not the chain: ``"every"`` version (each delta then names every
+    touched tensor's digest, so a replica's ``/weights/digest`` is checked against blake3
+    digests every version; the whole model is hashed per version, O(model) in the encoder
+    thread) or only ``"anchors"`` (deltas carry none: the per-version cost beyond change
+    detection is O(changes); replicas audit by fingerprint between anchors).
+
     Retention: after each anchor lands, versions older than the ``keep_anchors``-th newest
     anchor (default 2) are deleted from the store, and the report lists them in ``dropped``;
     pass a large ``keep_anchors`` to keep the whole history.
@@ -182,9 +192,13 @@ class DeltaPublisher:
                  dtype: torch.dtype | None = torch.bfloat16, external_base: str | None = None,
                  queue_size: int = 2, retries: int = 4, backoff_s: float = 0.5,
                  notify_timeout_s: float = 120.0, compact: bool = False,
-                 on_report: Callable[[PublishReport], None] | None = None, detect: str = "auto"):
+                 on_report: Callable[[PublishReport], None] | None = None, detect: str = "auto",
+                 digests: str = "every"):
         if detect not in ("auto", "torch", "numba"):
             raise ValueError(f"detect={detect!r}: auto, torch or numba")
+        if digests not in DIGESTS:
+            raise ValueError(f"digests={digests!r}: {' or '.join(DIGESTS)}")
+        self.digests = digests
         self.model, self.dtype = model, dtype
         self.store = open_store(store) if isinstance(store, str) else store
         self.chain = Chain(self.store)
@@ -269,8 +283,15 @@ class DeltaPublisher:
         return self._commitment
 
     @property
+    def state_fingerprint(self) -> str:
+        """The newest version's state fingerprint (waits for its encoding)."""
+        self._wait_encoder(raise_error=False)
+        return self._state_fingerprint
+
+    @property
     def state_digest(self) -> str:
-        """The newest version's state digest (waits for its encoding)."""
+        """The newest version's blake3 state digest (waits for its encoding); "" for a delta
+        version when ``digests="anchors"``."""
         self._wait_encoder(raise_error=False)
         return self._state_digest
 
@@ -379,16 +400,22 @@ class DeltaPublisher:
 
         def one(n: str) -> EncodedTensor:
             return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact,
-                                base_fingerprint=self._fingerprints[n])
+                                base_fingerprint=self._fingerprints[n], digest=self._new_digest())
 
         encoded = dict(zip(names, map_balanced(one, names, [self._snapshot[n].numel() for n in names])))
-        self._digests.update({n: e.entry.digest for n, e in encoded.items()})
+        if self.digests == "every":
+            self._digests.update({n: e.entry.digest for n, e in encoded.items()})
+        else:  # a digest stays known only while its tensor is untouched; the delta names none
+            for n, e in encoded.items():
+                if e.entry.encoding != "same":
+                    self._digests[n] = ""
+                e.entry.digest = ""
         self._fingerprints.update({n: Fingerprint.from_hex(e.entry.fingerprint) for n, e in encoded.items()})
         version, base_version, report = job.version, job.version - 1, job.report
         header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                       base_commitment=self._commitment, base_state_digest=self._state_digest)
         delta = save_delta(header, tensors)
-        report.payload_bytes, report.commitment, report.state_digest = len(delta), header.commitment, header.state_digest
+        report.payload_bytes, report.commitment = len(delta), header.commitment
         objects: dict[str, bytes | Path] = {delta_key(base_version, version): delta}
         refs = [ref_for("delta", header, delta_key(base_version, version), delta)]
         self._since_anchor_bytes += len(delta)
@@ -402,9 +429,17 @@ class DeltaPublisher:
             refs.append(ref_for("anchor", aheader, anchor_key(version), path))
             report.kind = "delta+anchor"
             self._since_anchor_bytes, self._since_anchor, self._force_anchor = 0, 0, False
-        self._commitment, self._state_digest = header.commitment, header.state_digest
+            header = aheader  # the same version, and its manifest gets the anchor's state digest
+        self._commitment, self._state_fingerprint = header.commitment, header.state_fingerprint
+        self._state_digest = header.state_digest
+        report.state_fingerprint, report.state_digest = header.state_fingerprint, header.state_digest
         report.encoder_s = time.perf_counter() - t0
         return _Job(header, objects, refs, report, tmp)
+
+    def _new_digest(self) -> str | None:
+        """The ``digest`` argument of the encoders for a touched tensor: None (compute it) or ""
+        (leave it out, digests="anchors")."""
+        return None if self.digests == "every" else ""
 
     def _encode_where(self, name: str, live: torch.Tensor) -> EncodedTensor:
         """One tensor's change, found on the device that holds it (the host snapshot follows)."""
@@ -412,7 +447,7 @@ class DeltaPublisher:
         base_fp = self._fingerprints[name]
         if self.detect == "auto" and live.device.type == "cpu":
             return encode_tensor(name, host, self._cast(live), update=True, threads=False, compact=self.compact,
-                                 base_fingerprint=base_fp)
+                                 base_fingerprint=base_fp, digest=self._new_digest())
         new = self._cast(live, host=False)
         snap = self._device_snapshot.get(name)
         if snap is None or snap.device != new.device:  # first version here: the base crosses once
@@ -425,7 +460,8 @@ class DeltaPublisher:
             elif torch.equal(snap, new):
                 return encode_tensor(name, host, host, digest=self._digests[name], base_fingerprint=base_fp)
         # a dense change, a dtype without a bit view, or a shape error: the whole tensor crosses
-        enc = encode_tensor(name, host, new.cpu(), update=True, threads=False, compact=self.compact)
+        enc = encode_tensor(name, host, new.cpu(), update=True, threads=False, compact=self.compact,
+                            digest=self._new_digest())
         snap.copy_(new)
         return enc
 
@@ -442,14 +478,18 @@ class DeltaPublisher:
         classed = encode_positions_classed(pos, hv, host.dtype) if self.compact else None  # on the base
         hv[pos] = new_at
         fp = self._fingerprints[name] + fingerprint_delta(pos, old_at, new_at, host.element_size() * 8)
-        entry = TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape), digest=tensor_digest(host),
-                            fingerprint=fp.hex())
+        digest = tensor_digest(host) if self.digests == "every" else ""
+        entry = TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape), digest=digest, fingerprint=fp.hex())
         return encode_changes(entry, name, pos, xor, lambda k=None: new_at[:k],
                               None if classed is None else lambda: classed)
 
     def _write_anchor(self, version: int, base_version: int | None, base_commitment: str):
         tmp = tempfile.TemporaryDirectory(prefix="deltasync-anchor-")
         path = Path(tmp.name) / "anchor.safetensors"
+        # blake3 of the tensors touched since they were last hashed (digests="anchors"): O(model), per anchor
+        missing = [n for n, d in self._digests.items() if not d]
+        self._digests.update(zip(missing, map_balanced(lambda n: tensor_digest(self._snapshot[n]), missing,
+                                                       [self._snapshot[n].numel() for n in missing])))
         header = anchor_header(self._snapshot, version=version, base_version=base_version,
                                base_commitment=base_commitment, digests=self._digests,
                                fingerprints=self._fingerprints)
@@ -458,11 +498,11 @@ class DeltaPublisher:
 
     def _genesis(self, external_base: str | None) -> tuple[int, str]:
         header = anchor_header(self._snapshot, version=0, digests=self._digests, fingerprints=self._fingerprints)
-        self._state_digest = header.state_digest
+        self._state_digest, self._state_fingerprint = header.state_digest, header.state_fingerprint
         latest = self.chain.latest()
         if latest is not None:
             m = self.chain.manifest(latest.version)
-            if m.state_digest != header.state_digest:
+            if m.state_fingerprint != header.state_fingerprint:
                 raise ValueError(f"{self.store.uri} already holds a chain at v{latest.version} whose "
                                  "state differs from this model; use an empty store or prefix")
             log.info("continuing the chain in %s at v%d", self.store.uri, latest.version)
@@ -474,7 +514,8 @@ class DeltaPublisher:
         report = PublishReport(version=0, kind="anchor", changed=header.numel, numel=header.numel,
                                payload_bytes=0, dense_bytes=self._dense_bytes,
                                int32_bf16_bytes=6 * header.numel, encode_s=0.0,
-                               commitment=header.commitment, state_digest=header.state_digest)
+                               commitment=header.commitment, state_fingerprint=header.state_fingerprint,
+                               state_digest=header.state_digest)
         report._encoded.set()
         if external_base:
             ref = ObjectRef(kind="anchor", version=0, external=external_base)

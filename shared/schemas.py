@@ -51,7 +51,8 @@ class Refusal(BaseModel):
 class UpdateResponse(BaseModel):
     version: int | None  # the version served now
     commitment: str
-    state_digest: str
+    state_digest: str  # blake3, from the version's manifest ("" when it has none)
+    state_fingerprint: str = ""
     target: int | None = None
     steps: list[StepReport] = []
     refused: Refusal | None = None
@@ -63,7 +64,8 @@ class UpdateResponse(BaseModel):
 class VersionResponse(BaseModel):
     version: int | None
     commitment: str
-    state_digest: str
+    state_digest: str  # blake3, from the version's manifest ("" when it has none)
+    state_fingerprint: str = ""
     status: Literal["starting", "ready", "updating", "damaged"]
     model: str
     store: str
@@ -73,12 +75,17 @@ class VersionResponse(BaseModel):
 
 
 class DigestResponse(BaseModel):
-    """State digest computed from the live engine weights, in checkpoint coordinates."""
+    """State digest and fingerprint computed from the live engine weights, in checkpoint
+    coordinates. ``matches_held``: every tensor is what the held version says, by its blake3
+    digest where the replica knows it, else by its fingerprint (tensors touched by deltas
+    published without digests); ``mismatched`` names the others."""
 
     version: int | None
     commitment: str
     state_digest: str
+    state_fingerprint: str
     matches_held: bool
+    mismatched: list[str] = []
     seconds: float  # how long the computation took (the original one, when cached)
     # True: computed earlier for these same weights (no write since) and served from the cache;
     # ``?fresh=true`` (bearer token) never returns a cached value (it may share a computation that

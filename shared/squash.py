@@ -112,7 +112,7 @@ def _encode(name: str, entry, acc) -> EncodedTensor:
 
 
 def _via(files: list[DeltaFile]) -> list[str]:
-    return [s for f in files[:-1] for s in (*f.header.via, f.header.state_digest)] + list(files[-1].header.via)
+    return [s for f in files[:-1] for s in (*f.header.via, f.header.state_fingerprint)] + list(files[-1].header.via)
 
 
 def squash_onto(base: dict, files: list[DeltaFile]) -> bytes:

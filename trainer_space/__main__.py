@@ -111,6 +111,7 @@ def print_rows(console: Console, rows: list[dict]) -> None:
 def report(run_dir: Path, monitor: Monitor, replicas: list[str], timings: list[dict]) -> bool:
     rows = [r for r in monitor.rows() if r["version"] > 0]
     versions = [{"version": r["version"], "trainer_state_digest": r["state_digest"],
+                 "trainer_state_fingerprint": r["state_fingerprint"],
                  "replica_state_digests": r["live"], "exact": r["exact"], "payload_bytes": r["payload_bytes"],
                  "dense_bytes": r["dense_bytes"], "int32_bf16_bytes": r["int32_bf16_bytes"],
                  "changed_fraction": r["changed_fraction"], "reward": r["reward"], "loss": r["loss"],

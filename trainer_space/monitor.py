@@ -46,7 +46,8 @@ class VersionRow:
     reward: float | None = None  # mean reward of the optimizer step that produced this version
     loss: float | None = None
     games: int | None = None  # games the env had started when this version was checked
-    # url -> the state digest that replica computed from its live weights at this version
+    state_fingerprint: str = ""
+    # url -> the identity (see below) that replica computed from its live weights at this version
     live: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -54,15 +55,21 @@ class VersionRow:
         return 6 * self.changed
 
     @property
+    def identity(self) -> str:
+        """What a replica's live weights are checked against: the blake3 state digest, or the
+        state fingerprint for a version published without digests (``digests="anchors"``)."""
+        return self.state_digest or self.state_fingerprint
+
+    @property
     def exact(self) -> bool | None:
         """True once every replica that served this version matched it; None before any did."""
         if not self.live:
             return None
-        return all(d == self.state_digest for d in self.live.values())
+        return all(d == self.identity for d in self.live.values())
 
     def as_dict(self) -> dict:
         return asdict(self) | {"int32_bf16_bytes": self.int32_bf16_bytes, "exact": self.exact,
-                               "changed_fraction": self.changed / max(self.numel, 1)}
+                               "identity": self.identity, "changed_fraction": self.changed / max(self.numel, 1)}
 
 
 class Monitor:
@@ -85,7 +92,7 @@ class Monitor:
         steps = [s for answer in report.replicas.values() for s in answer.get("steps", [])]
         with self._lock:
             row = self.versions.setdefault(report.version, VersionRow(report.version, report.state_digest))
-            row.state_digest = report.state_digest
+            row.state_digest, row.state_fingerprint = report.state_digest, report.state_fingerprint
             row.kind, row.changed, row.numel = report.kind, report.changed, report.numel
             row.payload_bytes, row.dense_bytes = report.payload_bytes, report.dense_bytes
             row.encode_s, row.encoder_s, row.upload_s = report.encode_s, report.encoder_s, report.upload_s
@@ -122,7 +129,7 @@ class Monitor:
             row = self.versions.get(version)
             if row is not None:
                 row.games = self.env_stats.get("games_started")
-            return {url: row is not None and row.live.get(url) == row.state_digest for url in self.replicas}
+            return {url: row is not None and row.live.get(url) == row.identity for url in self.replicas}
 
     def _read_store(self) -> None:
         if self._chain is None:
@@ -141,7 +148,7 @@ class Monitor:
             delta, anchor = m.object("delta"), m.object("anchor")
             with self._lock:
                 row = self.versions.setdefault(v, VersionRow(v, m.state_digest))
-                row.state_digest = m.state_digest
+                row.state_digest, row.state_fingerprint = m.state_digest, m.state_fingerprint
                 row.changed, row.numel, row.dense_bytes = m.changed, m.numel, m.dense_bytes
                 row.kind = row.kind or ("delta" if delta else "anchor")
                 row.payload_bytes = row.payload_bytes or (delta.size if delta else anchor.size if anchor else 0)
@@ -166,7 +173,7 @@ class Monitor:
         with self._lock:
             row = self.versions.get(live.get("version"))
             if row is not None:
-                row.live[view.url] = live["state_digest"]
+                row.live[view.url] = live["state_digest"] if row.state_digest else live["state_fingerprint"]
 
     # ------------------------------------------------------------------ views
     def rows(self) -> list[dict]:

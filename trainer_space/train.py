@@ -11,6 +11,7 @@ import functools
 import logging
 import threading
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -43,6 +44,8 @@ class RunSettings(BaseModel):
     max_staleness: int = Field(default=2, ge=0)
     temperature: float = Field(default=1.0, gt=0)
     compact: bool = False
+    # blake3 digests "every" version, or only at "anchors" (then replicas are checked by fingerprint between)
+    digests: Literal["every", "anchors"] = "every"
     verify: bool = Field(default=True, description="check every replica's live digest after each sync")
 
 
@@ -72,7 +75,8 @@ def make_transfer(settings: RunSettings, monitor: Monitor) -> DeltaSyncTransfer:
             monitor.refresh()
 
     return DeltaSyncTransfer(settings.store, settings.replicas, base=settings.model, token=settings.token,
-                             compact=settings.compact, on_report=monitor.on_report, after_sync=after_sync)
+                             compact=settings.compact, digests=settings.digests, on_report=monitor.on_report,
+                             after_sync=after_sync)
 
 
 def run(settings: RunSettings, monitor: Monitor, stop: threading.Event | None = None) -> DeltaSyncTransfer:

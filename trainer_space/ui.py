@@ -113,8 +113,8 @@ def version_table(monitor: Monitor | None) -> pd.DataFrame:
     out = []
     for r in reversed(monitor.rows()):
         out.append([r["version"], r["kind"], round(100 * r["changed_fraction"], 3), r["payload_bytes"],
-                    r["dense_bytes"], r["state_digest"][:16],
-                    ", ".join(u for u, d in r["live"].items() if d == r["state_digest"]),
+                    r["dense_bytes"], r["state_digest"][:16] or f"fingerprint {r['state_fingerprint'][:16]}",
+                    ", ".join(u for u, d in r["live"].items() if d == r["identity"]),
                     {True: "exact", False: "MISMATCH", None: "not checked"}[r["exact"]]])
     return pd.DataFrame(out, columns=cols)
 

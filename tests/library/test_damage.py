@@ -104,8 +104,8 @@ def test_failure_mid_apply_rolls_back(chain3, monkeypatch):
     s0, _, _, c0, _, d1, _ = chain3
     import shared.apply as ap
 
-    real = ap.tensor_digest
-    monkeypatch.setattr(ap, "tensor_digest", lambda t: "0" * 64 if t.dtype == torch.float32 else real(t))
+    real = ap.holds
+    monkeypatch.setattr(ap, "holds", lambda entry, t: t.dtype != torch.float32 and real(entry, t))
     target = {n: t.clone() for n, t in s0.items()}
     e = refused(d1, target, version=0, commitment=c0)
     assert e.reason == "digest_mismatch"

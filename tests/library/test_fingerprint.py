@@ -345,7 +345,7 @@ def test_publisher_fingerprints_follow_the_state_in_o_changes(tmp_path, detect):
     assert header.state_fingerprint == state_fingerprint_of(published)
 
 
-def test_format_1_is_refused_by_name_and_fingerprints_are_checked(tmp_path):
+def test_formats_1_and_2_are_refused_by_name_and_fingerprints_are_checked(tmp_path):
     import blake3
     import safetensors.torch
 
@@ -364,10 +364,11 @@ def test_format_1_is_refused_by_name_and_fingerprints_are_checked(tmp_path):
             "format": "deltasync", "deltasync": text, "deltasync_blake3": blake3.blake3(text.encode()).hexdigest()})
 
     doc = json.loads(header.model_dump_json(exclude_defaults=True))
-    rewrite({**doc, "format_version": 1})
-    with pytest.raises(DeltaError, match="format version 1") as e:
+    rewrite(doc)  # formats 1 and 2 left their version out (it was the default)
+    with pytest.raises(DeltaError, match="format version 1 or 2 .commitments over blake3") as e:
         DeltaFile.open(path)
     assert e.value.reason == "format"
+    doc = {"format_version": 3, **doc}
     doc["tensors"]["w"]["fingerprint"] = "0" * 64
     rewrite(doc)
     with pytest.raises(DeltaError, match="fingerprints do not add up") as e:

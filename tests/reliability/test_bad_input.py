@@ -44,6 +44,7 @@ from shared.chain import (
 )
 from shared.codec import DeltaFile, Header, anchor_header, encode_delta, save_anchor
 from shared.digest import commitment, state_digest
+from shared.fingerprint import state_fingerprint_of
 from shared.errors import DeltaError
 from shared.publisher import DeltaPublisher
 from shared.stores import open_store
@@ -385,12 +386,13 @@ class Held:
     def put(self, key: str, data: bytes) -> None:
         open_store(str(self.store_dir)).put(key, data)
 
-    def publish(self, objects: dict[str, bytes], refs: list, *, commitment_: str, state_digest_: str) -> None:
+    def publish(self, objects: dict[str, bytes], refs: list, *, commitment_: str, state_fingerprint_: str,
+                state_digest_: str) -> None:
         """Objects, manifest, latest: the publish order, with whatever objects the case made."""
         for key, data in objects.items():
             self.put(key, data)
         m = Manifest(version=self.next, commitment=commitment_, base_commitment=self.header.commitment,
-                     state_digest=state_digest_, created=0.0, objects=refs)
+                     state_fingerprint=state_fingerprint_, state_digest=state_digest_, created=0.0, objects=refs)
         self.put(manifest_key(self.next), m.model_dump_json().encode())
         self.put(LATEST, Latest(version=self.next, commitment=commitment_).model_dump_json().encode())
 
@@ -409,13 +411,14 @@ class Held:
         k = delta_key(self.header.version, self.next)
         ref = ref_for("delta", header, k, data).model_copy(update={"key": key}) if key else \
             ref_for("delta", header, k, data)
-        self.publish({k: data}, [ref], commitment_=header.commitment, state_digest_=header.state_digest)
+        self.publish({k: data}, [ref], commitment_=header.commitment, state_fingerprint_=header.state_fingerprint,
+                     state_digest_=header.state_digest)
 
     def anchor_object(self, content: dict[str, torch.Tensor], claimed: dict[str, torch.Tensor],
                       damage: Callable[[bytes], bytes] = lambda b: b) -> None:
         """An anchor file of ``content`` as the next version, whose manifest claims ``claimed``."""
-        sd = state_digest(claimed)
-        c = commitment(self.header.commitment, sd)
+        sd, sf = state_digest(claimed), state_fingerprint_of(claimed)
+        c = commitment(self.header.commitment, sf)
         h = anchor_header(content, version=self.next, base_version=self.header.version,
                           base_commitment=self.header.commitment)
         tmp = self.store_dir.parent / "anchor.tmp"
@@ -423,7 +426,7 @@ class Held:
         data = damage(tmp.read_bytes())
         tmp.unlink()
         ref = ref_for("anchor", h, anchor_key(self.next), data)
-        self.publish({anchor_key(self.next): data}, [ref], commitment_=c, state_digest_=sd)
+        self.publish({anchor_key(self.next): data}, [ref], commitment_=c, state_fingerprint_=sf, state_digest_=sd)
 
 
 def _flip_in_data(data: bytes) -> bytes:

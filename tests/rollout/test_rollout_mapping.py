@@ -16,7 +16,7 @@ from rollout_space.server import policy_fields, policy_headers
 from shared.codec import DeltaFile, encode_delta
 from shared.digest import SAFETENSORS_DTYPES, state_digest, tensor_digest
 from shared.errors import DeltaError
-from shared.fingerprint import tensor_fingerprint
+from shared.fingerprint import state_fingerprint_of, tensor_fingerprint
 
 BF16 = torch.bfloat16
 CKPT = {"embed.weight": (10, 4), "q.weight": (4, 4), "k.weight": (2, 4), "v.weight": (2, 4),
@@ -108,7 +108,7 @@ def _changed(ckpt, seed=1, fraction=0.3):
 
 def test_stage_commit_audit_revert(loaded):
     ckpt, model, emap, weights = loaded
-    c0 = genesis_commitment(state_digest(ckpt))
+    c0 = genesis_commitment(state_fingerprint_of(ckpt))
     weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
     new = _changed(ckpt)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -126,7 +126,7 @@ def test_stage_commit_audit_revert(loaded):
 
 def test_refusals_leave_weights_untouched(loaded):
     ckpt, model, emap, weights = loaded
-    c0 = genesis_commitment(state_digest(ckpt))
+    c0 = genesis_commitment(state_fingerprint_of(ckpt))
     weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
     before = weights.live_state_digest()
     new = _changed(ckpt)
@@ -160,7 +160,7 @@ def test_policy_fields_single_and_mixed():
 
 def test_failure_in_the_middle_of_a_commit_is_rolled_back(loaded):
     ckpt, model, emap, weights = loaded
-    c0 = genesis_commitment(state_digest(ckpt))
+    c0 = genesis_commitment(state_fingerprint_of(ckpt))
     weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
     staged = weights.stage(_delta(ckpt, _changed(ckpt), c0))
     assert len(staged.patches) > 3
@@ -183,10 +183,11 @@ def test_staging_predicts_fingerprints_in_o_changes(loaded, monkeypatch):
 
     ckpt, model, emap, weights = loaded
     assert weights.held.fingerprints == {n: tensor_fingerprint(t).hex() for n, t in ckpt.items()}
-    c0 = genesis_commitment(state_digest(ckpt))
+    c0 = genesis_commitment(state_fingerprint_of(ckpt))
     weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
     whole = []
-    monkeypatch.setattr(live_weights, "tensor_digest", lambda t: whole.append(t) or tensor_digest(t))
+    real = live_weights.holds
+    monkeypatch.setattr(live_weights, "holds", lambda entry, t: whole.append(t) or real(entry, t))
     new = _changed(ckpt, fraction=0.05)
     delta = _delta(ckpt, new, c0)
     staged = weights.stage(delta)
@@ -225,7 +226,7 @@ def test_rolling_audit_covers_every_tensor_every_k_versions_and_finds_a_stray_wr
 
 def test_read_back_audit_finds_a_write_that_did_not_land(loaded):
     ckpt, model, emap, weights = loaded
-    c0 = genesis_commitment(state_digest(ckpt))
+    c0 = genesis_commitment(state_fingerprint_of(ckpt))
     weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
     staged = weights.stage(_delta(ckpt, _changed(ckpt), c0))
     weights.write(staged)
@@ -267,7 +268,7 @@ def ranks(loaded):
                         {n: tensor_fingerprint(ckpt[n]).hex() for n in declared}, audit_every=3)
         w.read_back()
         out.append(w)
-    c0 = genesis_commitment(state_digest(ckpt))
+    c0 = genesis_commitment(state_fingerprint_of(ckpt))
     for w in out:
         w.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
     return ckpt, model, out, c0

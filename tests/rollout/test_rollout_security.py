@@ -120,7 +120,8 @@ def test_a_digest_pass_that_a_write_interrupts_starts_again():
     from rollout_space.worker import DIGEST_PASSES, DeltaWorkerExtension, _State
 
     specs = {"a": ("BF16", [2]), "b": ("BF16", [2]), "c": ("F32", [])}  # "c" is not mapped
-    versions = [Held(v, f"c{v}", {n: f"{n}{v}" for n in specs}, specs) for v in range(DIGEST_PASSES)]
+    versions = [Held(v, f"c{v}", {n: f"{n}{v}" for n in specs}, specs, declared={n: f"f{n}{v}" for n in specs})
+                for v in range(DIGEST_PASSES)]
     for interruptions in range(DIGEST_PASSES):
         writes_left = interruptions
 
@@ -128,14 +129,14 @@ def test_a_digest_pass_that_a_write_interrupts_starts_again():
             live = SimpleNamespace(map=SimpleNamespace(tensors={"a", "b"}))
             held = versions[0]
 
-            def digest(self, name: str) -> str:
+            def hash_against(self, name: str, held_digest: str) -> tuple[str, None]:
                 nonlocal writes_left
                 value = self.held.digests[name]
                 if name == "a" and writes_left:  # a write lands right after this read
                     writes_left -= 1
                     st.writes += 1
                     self.held = versions[self.held.version + 1]
-                return value
+                return value, None
 
         st = _State(Weights(), None)
         ext = DeltaWorkerExtension()
@@ -144,7 +145,8 @@ def test_a_digest_pass_that_a_write_interrupts_starts_again():
         want = versions[interruptions]
         assert out["ok"] and out["passes"] == interruptions + 1, out
         assert (out["version"], out["commitment"]) == (want.version, want.commitment)
-        assert out["state_digest"] == out["held_state_digest"] == want.state_digest and not out["mismatched"]
+        assert out["state_digest"] == want.state_digest and not out["mismatched"]
+        assert out["state_fingerprint"] == want.state_fingerprint
         assert not st.lock.locked()
 
 
