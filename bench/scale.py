@@ -11,8 +11,9 @@ Projected from those, for a bf16 model of P parameters changing a fraction f per
 
 * dense: ``2P`` bytes through the bucket at ``--bandwidth`` GB/s, then loaded at memcpy speed;
 * deltas: detection + encoding ``P x (its cost per model element at f)`` (timed together, so no
-  noisy difference of two timings enters) + the state digest ``2P x digest`` on the trainer,
-  ``fP x bytes/change`` through the bucket, ``fP x (decode + scatter)`` on the replica; trainer
+  noisy difference of two timings enters) + the state digest ``2P x digest`` on the trainer
+  (``--digests every``; with the default ``anchors`` only an anchor's digest, amortized over
+  the ``1 / (f x bytes/change)`` versions between anchors), ``fP x bytes/change`` through the bucket, ``fP x (decode + scatter)`` on the replica; trainer
   and replica work split over ``--workers`` parallel workers (trainer ranks and replica shards),
   each as fast as this machine measured it. Steps run one after the other (no overlap), and
   detection is the host's (numba), so the projection is an upper bound for this implementation.
@@ -176,8 +177,11 @@ def measure(size: str, steps: int, reps: int) -> dict:
     return out
 
 
-def project(measured: dict, bandwidth_GBps: float, workers: int) -> list[dict]:
-    """Per-version time and bytes for each size, dense and at each measured fraction."""
+def project(measured: dict, bandwidth_GBps: float, workers: int, digests: str = "anchors") -> list[dict]:
+    """Per-version time and bytes for each size, dense and at each measured fraction.
+    ``digests``: the publisher's (``"every"``: the whole state hashed per version; ``"anchors"``:
+    only at anchors, which the default policy makes every ``1 / (f x B/change)`` versions, so
+    that per version is the anchor's digest times ``f x B/change``)."""
     bw = bandwidth_GBps * GB
     memcpy_ns = statistics.median(m["per_element"]["memcpy_ns_per_byte"] for m in measured.values())
     rows = []
@@ -191,6 +195,8 @@ def project(measured: dict, bandwidth_GBps: float, workers: int) -> list[dict]:
             e, changed = m["per_element"], m["target"] * p
             detect_encode = p * e["detect_encode_ns_per_element"] / 1e9 / workers
             digest = dense_bytes * e["digest_ns_per_byte"] / 1e9 / workers
+            if digests == "anchors":
+                digest *= min(1.0, m["target"] * e["bytes_per_change"])
             trainer = detect_encode + digest
             delta_bytes = changed * e["bytes_per_change"]
             replica = changed * (e["decode_ns_per_change"] + e["scatter_ns_per_change"]) / 1e9 / workers
@@ -338,6 +344,9 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="mid", help="model measured (default mid, ~79M)")
     ap.add_argument("--steps", type=int, default=2, help="measured steps per fraction after Adam's first")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per timing (median)")
+    ap.add_argument("--digests", choices=("every", "anchors"), default="anchors",
+                    help="the publisher's blake3 digests: every version, or only at anchors (default; "
+                         "amortized over the versions between anchors)")
     ap.add_argument("--reuse", action="store_true",
                     help="take the measured part from bench/results/scale.json and only project again")
     a = ap.parse_args()
@@ -352,13 +361,16 @@ def main() -> None:
     result = {"measured_on": measured_on,
               "measured": measured,
               "assumptions": {"bandwidth_GBps": a.bandwidth, "workers": a.workers, "dtype": "bf16 (2 B/param)",
+                              "digests": a.digests,
                               "kind": "projected",
                               "dense_s": "2P / bandwidth + 2P x memcpy / workers",
-                              "delta_s": "(P x detect+encode per element at f + 2P x digest) / workers + "
+                              "delta_s": "(P x detect+encode per element at f + 2P x digest [x f x B/change "
+                                         "with --digests anchors: one anchor's per 1 / (f x B/change) versions]) "
+                                         "/ workers + "
                                          "fP x B/change / bandwidth + fP x (decode + scatter) / workers",
                               "on_device_detection": "not in the projection: measured by bench/device_detect.py "
                                                      "on a GPU (host detection is assumed here)"},
-              "projected": project(measured, a.bandwidth, a.workers),
+              "projected": project(measured, a.bandwidth, a.workers, a.digests),
               "published": PUBLISHED}
     report(result)
     print(markdown(result))

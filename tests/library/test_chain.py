@@ -32,13 +32,13 @@ def drifting(n_versions: int, fraction=0.01, seed=0):
         yield state
 
 
-def publish_chain(store, n, policy=None, keep_anchors=100):
+def publish_chain(store, n, policy=None, keep_anchors=100, digests="every"):
     states = []
     gen = drifting(n)
     live = next(gen)
     states.append({k: v.clone() for k, v in live.items()})
     with DeltaPublisher(live, store, policy=policy or AnchorPolicy(max_deltas=4),
-                        keep_anchors=keep_anchors, dtype=None) as pub:
+                        keep_anchors=keep_anchors, dtype=None, digests=digests) as pub:
         for _ in gen:
             pub.publish()
             states.append({k: v.clone() for k, v in live.items()})
@@ -55,6 +55,49 @@ def test_every_version_rebuilds_exactly(tmp_path):
         assert same_bits(state, states[v])
         assert header.state_digest == state_digest(states[v]) == chain.manifest(v).state_digest
     assert [r.kind for r in pub.reports][:6] == ["anchor", "delta", "delta", "delta", "delta+anchor", "delta"]
+
+
+def test_digests_only_at_anchors(tmp_path, monkeypatch):
+    """``digests="anchors"``: a delta names fingerprints alone and the publisher hashes no tensor
+    whole for it; an anchor hashes the tensors touched since they were last hashed. Every version
+    still rebuilds bit for bit, is verified (by fingerprint) and squashes."""
+    import shared.codec
+    import shared.publisher
+    from shared.fingerprint import state_fingerprint_of
+
+    hashed: list[int] = []  # elements hashed whole with blake3, per publish()
+    for module in (shared.codec, shared.publisher):
+        real = module.tensor_digest
+        monkeypatch.setattr(module, "tensor_digest", lambda t, real=real: hashed.append(t.numel()) or real(t))
+    states, pub = publish_chain(str(tmp_path), 6, digests="anchors")
+    chain = Chain(open_store(tmp_path))
+    kinds = [r.kind for r in pub.reports]
+    assert kinds == ["anchor", "delta", "delta", "delta", "delta+anchor", "delta", "delta"]
+    numel = sum(t.numel() for t in states[0].values())
+    # v0 hashes the model once; v4's anchor hashes "a.weight" (touched since), and nothing else does
+    a, b = states[0]["a.weight"].numel(), states[0]["b.bias"].numel()
+    assert sorted(hashed) == [b, a, a]
+    assert sum(hashed) < 2 * numel
+    for v, s in enumerate(states):
+        m = chain.manifest(v)
+        assert m.state_fingerprint == state_fingerprint_of(s)
+        assert m.state_digest == (state_digest(s) if kinds[v] != "delta" else "")
+        state, header = reconstruct(chain, v)
+        assert same_bits(state, s) and header.state_fingerprint == m.state_fingerprint
+    delta = chain.fetch(chain.manifest(3).object("delta"))
+    assert delta.header.state_digest == "" and all(e.digest == "" for e in delta.header.tensors.values())
+    joined = DeltaFile.from_bytes(squash([chain.fetch(chain.manifest(v).object("delta")) for v in (5, 6)]))
+    target = {n: t.clone() for n, t in states[4].items()}
+    from shared.apply import apply_delta
+
+    apply_delta(joined, target, version=4, commitment=chain.manifest(4).commitment)
+    assert same_bits(target, states[6]) and joined.header.commitment == chain.manifest(6).commitment
+    wrong = {n: t.clone() for n, t in states[4].items()}
+    unchanged = sorted(set(range(8)) - set(joined.change("a.weight").positions.tolist()))[0]
+    wrong["a.weight"].view(-1)[unchanged] += 1  # not the base: found by the fingerprint after the write
+    with pytest.raises(DeltaError) as e:
+        apply_delta(joined, wrong, version=4, commitment=chain.manifest(4).commitment)
+    assert e.value.reason == "digest_mismatch"
 
 
 def test_plan_is_cheapest(tmp_path):

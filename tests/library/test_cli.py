@@ -106,6 +106,27 @@ def test_push_pull_log(tiny_model_dir, tmp_path):
     assert state_digest(load_state(tmp_path / "p4.safetensors")) == state_digest(states[1])
 
 
+def test_push_with_digests_only_at_anchors(tiny_model_dir, tmp_path):
+    """``push --digests anchors``: the delta's manifest names the state fingerprint alone (what
+    ``digest --json`` prints for the checkpoint), and the version pulls back bit for bit."""
+    from shared.chain import Chain
+    from shared.stores import open_store
+
+    store = tmp_path / "store"
+    base = tiny_model_dir / "model.safetensors"
+    new = perturb(load_state(base), 0.01, 7)
+    save_state(new, tmp_path / "c.safetensors")
+    run("push", store, base)
+    assert "--digests" in run("push", store, tmp_path / "c.safetensors", "--digests", "some", ok=False).stderr
+    run("push", store, tmp_path / "c.safetensors", "--digests", "anchors")
+    m = Chain(open_store(store)).manifest(1)
+    info = json.loads(run("digest", tmp_path / "c.safetensors", "--json").stdout)
+    assert m.state_digest == "" and m.state_fingerprint == info["state_fingerprint"] == state_fingerprint_of(new)
+    pulled = json.loads(run("pull", store, "-o", tmp_path / "p.safetensors", "--json").stdout)
+    assert pulled["state_digest"] == info["state_digest"] == state_digest(load_state(tmp_path / "p.safetensors"))
+    assert "v1" in run("log", store).stdout
+
+
 def test_sharded_checkpoint_folder(tiny_model_dir, tmp_path):
     """A model folder with an index and several shards reads as one checkpoint."""
     state = load_state(tiny_model_dir)

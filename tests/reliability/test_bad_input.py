@@ -462,7 +462,8 @@ def _swapped_delta(h: Held) -> None:
     header = DeltaFile.from_bytes(good).header
     k = delta_key(h.header.version, h.next)
     ref = ref_for("delta", header, k, good)
-    h.publish({k: other}, [ref], commitment_=header.commitment, state_digest_=header.state_digest)
+    h.publish({k: other}, [ref], commitment_=header.commitment, state_fingerprint_=header.state_fingerprint,
+              state_digest_=header.state_digest)
 
 
 def _wrong_base(h: Held) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, wait_ready
+from conftest import TOKEN, launch, wait_ready
 from stray_worker import REBIND_ENV, TENSOR_ENV
 from update_helpers import metric
 
@@ -93,5 +93,81 @@ def test_a_parameter_swapped_for_a_new_object_is_refused_and_reverted(tiny_model
             live = s.get("/weights/digest").json()  # read through the map: the old object, reverted
             assert live["state_digest"] == base_digest and live["version"] == served
             assert 'deltasync_updates_refused_total{reason="digest_mismatch"} 1.0' in s.get("/metrics").text
+        finally:
+            s.stop()
+
+
+def sparse_step(state: dict[str, torch.Tensor], g: torch.Generator, pub: DeltaPublisher):
+    """A step that changes ~1% of TRAINED, never its element 0 (sparse: positions are listed), uploaded."""
+    with torch.no_grad():
+        w = state[TRAINED].view(-1)[1::97]
+        w.add_(torch.randn(w.shape, generator=g).sign_() * 2e-3)
+    report = pub.publish()
+    pub.flush()
+    return report
+
+
+def served(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the publisher publishes of fp32 master weights: their bf16 cast."""
+    return {n: t.bfloat16() for n, t in state.items()}
+
+
+def test_a_chain_with_digests_only_at_anchors_is_followed_exactly(tiny_model_dir: Path, tmp_path: Path):
+    """``digests="anchors"``: deltas name no blake3 digest, so the replica checks them by
+    fingerprint; its live digest (blake3 of the engine's weights) must still equal the blake3 of
+    the trainer's own state at every version, and the anchor's manifest names that digest."""
+    from shared.digest import state_digest
+    from shared.fingerprint import state_fingerprint_of
+
+    state = {n: t.float() for n, t in load_state(tiny_model_dir).items()}
+    g = torch.Generator().manual_seed(2)
+    with DeltaPublisher(state, str(tmp_path / "bucket"), external_base=str(tiny_model_dir), digests="anchors",
+                        policy=AnchorPolicy(max_deltas=3)) as pub:
+        pub.flush()
+        s = wait_ready(launch(tiny_model_dir, tmp_path / "bucket", tmp_path))
+        try:
+            for version in (1, 2, 3):
+                report = train_step(state, g, pub)
+                assert report.version == version and report.kind == ("delta+anchor" if version == 3 else "delta")
+                m = pub.chain.manifest(version)
+                want_digest, want_fp = state_digest(served(state)), state_fingerprint_of(served(state))
+                assert m.state_fingerprint == report.state_fingerprint == want_fp
+                assert m.state_digest == report.state_digest == (want_digest if version == 3 else "")
+                answer = s.update(version)
+                assert answer.status_code == 200, answer.text
+                body = answer.json()
+                assert (body["version"], body["state_fingerprint"], body["state_digest"]) == \
+                    (version, want_fp, m.state_digest)
+                live = s.get("/weights/digest", params={"fresh": "true"},
+                             headers={"Authorization": f"Bearer {TOKEN}"}).json()
+                assert (live["version"], live["state_digest"], live["state_fingerprint"]) == \
+                    (version, want_digest, want_fp), live
+                assert live["matches_held"] and live["mismatched"] == []
+        finally:
+            s.stop()
+
+
+def test_a_stray_write_into_a_tensor_whose_digest_is_unknown_is_found_by_fingerprint(
+        tiny_model_dir: Path, tmp_path: Path):
+    """With deltas that carry no digests, a touched tensor's blake3 digest is unknown to the
+    replica; a stray write into it (at a position the delta did not change, so the read-back
+    audit cannot see it, and no rolling audit reaches it this soon) must still make the full
+    audit (``GET /weights/digest``) say the live weights are not the held version, naming it."""
+    state = {n: t.float() for n, t in load_state(tiny_model_dir).items()}
+    g = torch.Generator().manual_seed(3)
+    with DeltaPublisher(state, str(tmp_path / "bucket"), external_base=str(tiny_model_dir),
+                        digests="anchors") as pub:
+        pub.flush()
+        s = wait_ready(launch(tiny_model_dir, tmp_path / "bucket", tmp_path, "--audit-every", "1000",
+                              worker="stray_worker.StrayWriteExtension", env={TENSOR_ENV: TRAINED}))
+        try:
+            report = sparse_step(state, g, pub)
+            assert report.state_digest == ""
+            answer = s.update(report.version)
+            assert answer.status_code == 200, answer.text  # element 0 was not written: nothing read back wrong
+            live = s.get("/weights/digest").json()
+            assert live["version"] == report.version and not live["matches_held"], live
+            assert live["mismatched"] == [TRAINED]
+            assert live["state_fingerprint"] != report.state_fingerprint
         finally:
             s.stop()

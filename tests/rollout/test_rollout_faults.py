@@ -53,7 +53,8 @@ class Replica:
         self.released: list[str] = []
         self.eng.rpc, self.eng.rpc_all = self.rpc, self.rpc_all
         self.eng.job, self.eng.job_all = self.job, self.job_all
-        self.eng.chain = SimpleNamespace(manifest=lambda v: SimpleNamespace(commitment=f"c{v}",
+        self.eng.chain = SimpleNamespace(manifest=lambda v: SimpleNamespace(version=v, commitment=f"c{v}",
+                                                                             state_fingerprint=f"f{v}",
                                                                              state_digest=f"d{v}"))
 
     async def rpc(self, method: str, *args: str) -> dict:
@@ -64,7 +65,7 @@ class Replica:
         if method == "deltasync_release":
             self.released.append(args[0])
         if method == "deltasync_held":
-            return {"version": 4, "commitment": "c4", "state_digest": "d4"}
+            return {"version": 4, "commitment": "c4", "state_digest": "d4", "state_fingerprint": "f4"}
         return {"write_s": 0.0, "load_s": 0.0, "verify_s": 0.0}
 
     async def rpc_all(self, method: str, *args: str) -> list[dict]:  # one rank
@@ -165,7 +166,7 @@ def test_a_successful_delta_moves_state_label_and_release_together(tmp_path):
     _watch_resume(r)
     run(r.delta(tmp_path))
     s = r.eng.state
-    assert (s.version, s.commitment, s.state_digest) == (5, "c5", "d5")
+    assert (s.version, s.commitment, s.state_digest, s.state_fingerprint) == (5, "c5", "d5", "f5")
     (status, version), label = r.resumed_while()
     assert version == 5 and label == "5"
     assert r.released == ["S1"]
