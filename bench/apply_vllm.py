@@ -119,16 +119,10 @@ def _worker_bench(worker, delta_path: str, reps: int) -> dict:
             "delta_bytes": Path(delta_path).stat().st_size}
 
 
-def make_delta(model_dir: Path, out: Path, fraction: float, seed: int) -> dict:
-    """A delta that flips low mantissa bits of ``fraction`` of all elements (training-like)."""
+def changed_state(base: dict, fraction: float, seed: int) -> dict:
+    """``base`` with low mantissa bits flipped in ``fraction`` of all elements (training-like)."""
     import torch
 
-    from shared.checkpoint import load_state
-    from shared.codec import encode_delta
-    from shared.digest import commitment, state_digest
-    from shared.fingerprint import state_fingerprint_of
-
-    base = load_state(model_dir)
     g = torch.Generator().manual_seed(seed)
     new = {}
     for n, t in base.items():
@@ -137,6 +131,18 @@ def make_delta(model_dir: Path, out: Path, fraction: float, seed: int) -> dict:
         flips = torch.randint(1, 4, (int(mask.sum()),), generator=g, dtype=torch.int16)
         bits[mask] ^= flips
         new[n] = bits.view(torch.bfloat16).view(t.shape)
+    return new
+
+
+def make_delta(model_dir: Path, out: Path, fraction: float, seed: int) -> dict:
+    """A delta taking the checkpoint to :func:`changed_state` of it."""
+    from shared.checkpoint import load_state
+    from shared.codec import encode_delta
+    from shared.digest import commitment, state_digest
+    from shared.fingerprint import state_fingerprint_of
+
+    base = load_state(model_dir)
+    new = changed_state(base, fraction, seed)
     c0 = commitment("", state_fingerprint_of(base))
     data = encode_delta(base, new, version=1, base_version=0, base_commitment=c0)
     out.write_bytes(data)

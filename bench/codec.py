@@ -233,7 +233,8 @@ def report(results: list[dict]) -> None:
     speed = Table(title="speed: encode and publish() vs memcpy, apply (decode + scatter) vs dense load and "
                         "index_copy_")
     for col in ["case", "encode GB/s", "memcpy GB/s", "encode/memcpy", "publish bf16 ms", "publish fp32 ms",
-                "encoder thread bf16 ms", "same, digests at anchors", "memcpy/publish bf16", "memcpy/publish fp32", "digest GB/s", "apply ms",
+                "encoder thread bf16 ms", "same, digests at anchors", "memcpy/publish bf16", "memcpy/publish fp32",
+                "digest GB/s", "apply ms",
                 "dense load ms", "index_copy_ ms", "apply/index_copy_", "apply/dense",
                 "compact encode GB/s", "compact apply ms", "peak RSS MB"]:
         speed.add_column(col, justify="right")

@@ -13,7 +13,8 @@ Projected from those, for a bf16 model of P parameters changing a fraction f per
 * deltas: detection + encoding ``P x (its cost per model element at f)`` (timed together, so no
   noisy difference of two timings enters) + the state digest ``2P x digest`` on the trainer
   (``--digests every``; with the default ``anchors`` only an anchor's digest, amortized over
-  the ``1 / (f x bytes/change)`` versions between anchors), ``fP x bytes/change`` through the bucket, ``fP x (decode + scatter)`` on the replica; trainer
+  the ``1 / (f x bytes/change)`` versions between anchors), ``fP x bytes/change`` through the
+  bucket, ``fP x (decode + scatter)`` on the replica; trainer
   and replica work split over ``--workers`` parallel workers (trainer ranks and replica shards),
   each as fast as this machine measured it. Steps run one after the other (no overlap), and
   detection is the host's (numba), so the projection is an upper bound for this implementation.

@@ -3,12 +3,14 @@
 An update is split so that generation stops only for the write:
 
 * **stage** (while serving): parse and verify the delta (header checksum, base commitment and
-  version, every blob's blake3), check that every tensor the delta leaves unchanged has the digest
-  this replica holds, map changed positions to engine parameters, gather the live bits there,
-  compute the new bits with the codec's rule (``old ^ xor``, ``old + diff``, new values), and by
-  default predict every touched tensor's fingerprint after the write from the held fingerprint and
-  the old and new bits at the changed positions, in O(changes) (a tensor sent whole is predicted
-  by its blake3 digest instead). Any failure here is a refusal and no weight has changed.
+  version, every blob's blake3), check that every tensor the delta leaves unchanged has the
+  fingerprint this replica holds, map changed positions to engine parameters, gather the live bits
+  there, compute the new bits with the codec's rule (``old ^ xor``, ``old + diff``, new values),
+  and by default predict every touched tensor's fingerprint after the write from the held
+  fingerprint and the old and new bits at the changed positions, in O(changes) (a tensor sent
+  whole is checked on a scratch copy instead). Any failure here is a refusal and no weight has
+  changed. blake3 digests are learnt from deltas that carry them (``digests="every"``) and
+  unknown after one that does not, until the next dense load.
 * **write** (paused): one ``index_copy_`` per (tensor, parameter) pair. Retrying is idempotent;
   an error part-way reverts what was written with one more ``index_copy_`` of the old bits.
 * **audit** (serving again): read the written positions back (O(changes)) and compare with the

@@ -322,7 +322,8 @@ def inspect(delta: Path = typer.Argument(..., metavar="FILE", help="a deltasync 
                + f", {size:,} bytes, {h.changed:,}/{h.numel:,} elements changed "
                f"({h.changed / max(h.numel, 1):.3%}), dense {h.dense_bytes:,} bytes")
     typer.echo(f"commitment  {h.commitment}\nbase        {h.base_commitment or '(genesis)'}\n"
-               f"state       {h.state_digest}\nfingerprint {h.state_fingerprint}  (format {h.format_version})")
+               f"state       {h.state_digest or '(no blake3 digests in this delta)'}\n"
+               f"fingerprint {h.state_fingerprint}  (format {h.format_version})")
     t = Table("tensor", "dtype", "shape", "changed", "encoding", "positions")
     for name, e in h.tensors.items():
         t.add_row(name, e.dtype, "x".join(map(str, e.shape)) or "()", f"{e.changed:,}", e.encoding,

@@ -513,8 +513,8 @@ def encode_state(base: Mapping[str, torch.Tensor],
 
 def _metadata(header: Header) -> dict[str, str]:
     # the format version always written out (before format 3 it was left out as a default)
-    text = json.dumps({"format_version": header.format_version, **header.model_dump(mode="json", exclude_defaults=True)},
-                      separators=(",", ":"))
+    doc = {"format_version": header.format_version, **header.model_dump(mode="json", exclude_defaults=True)}
+    text = json.dumps(doc, separators=(",", ":"))
     return {"format": FORMAT, "deltasync": text, "deltasync_blake3": blake3.blake3(text.encode()).hexdigest()}
 
 
@@ -613,7 +613,8 @@ def _parse_header(raw: bytes, where: str = "") -> Header:
         raise DeltaError("format", f"{where}format version {header.format_version} is not supported "
                                    f"(this deltasync reads {FORMAT_VERSION})")
     if not all(e.digest == "" or _is_hex64(e.digest) for e in header.tensors.values()) or \
-            entries_digest(header.tensors) != header.state_digest or (header.kind == "anchor" and not header.state_digest):
+            entries_digest(header.tensors) != header.state_digest or \
+            (header.kind == "anchor" and not header.state_digest):
         raise DeltaError("corrupt", "header's tensor digests do not add up to its state digest")
     if entries_fingerprint(header.tensors) != header.state_fingerprint or not all(
             _is_hex64(e.fingerprint) for e in header.tensors.values()):
