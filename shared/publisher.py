@@ -168,7 +168,8 @@ class DeltaPublisher:
     touched tensor's digest, so a replica's ``/weights/digest`` is checked against blake3
     digests every version; the whole model is hashed per version, O(model) in the encoder
     thread) or only ``"anchors"`` (deltas carry none: the per-version cost beyond change
-    detection is O(changes); replicas audit by fingerprint between anchors).
+    detection is O(changes); replicas audit by fingerprint between anchors). It may change
+    between versions (back to ``"every"``, the digests unknown meanwhile are computed once).
 
     Retention: after each anchor lands, versions older than the ``keep_anchors``-th newest
     anchor (default 2) are deleted from the store, and the report lists them in ``dropped``;
@@ -404,6 +405,9 @@ class DeltaPublisher:
 
         encoded = dict(zip(names, map_balanced(one, names, [self._snapshot[n].numel() for n in names])))
         if self.digests == "every":
+            for n, e in encoded.items():
+                if not e.entry.digest:  # unknown since versions published with digests="anchors"
+                    e.entry.digest = tensor_digest(self._snapshot[n])
             self._digests.update({n: e.entry.digest for n, e in encoded.items()})
         else:  # a digest stays known only while its tensor is untouched; the delta names none
             for n, e in encoded.items():

@@ -90,7 +90,8 @@ def space_defaults() -> RunSettings:
                        replicas=[u for u in setting("DELTASYNC_REPLICAS").split(",") if u],
                        env_url=setting("DELTASYNC_ENV_URL"),
                        token=env.get("DELTASYNC_TOKEN"), api_key=env.get("DELTASYNC_API_KEY"),
-                       output_dir=env.get("DELTASYNC_OUTPUT_DIR", "runs/trainer"))
+                       output_dir=env.get("DELTASYNC_OUTPUT_DIR", "runs/trainer"),
+                       digests=env.get("DELTASYNC_DIGESTS", "every"))
 
 
 def print_rows(console: Console, rows: list[dict]) -> None:

@@ -120,3 +120,30 @@ def test_two_ranks_load_an_anchor_whole(server: Server, trainer: FakeTrainer):
     assert (d["version"], d["state_digest"], d["matches_held"]) == (start + 2, reports[-1].state_digest, True)
     assert announced_step(server, trainer) == start + 3  # a delta lands on top of the loaded anchor
     assert live_digest(server)["state_digest"] == trainer.publisher.state_digest
+
+
+def test_two_ranks_follow_deltas_without_digests(server: Server, trainer: FakeTrainer):
+    """Deltas published with ``digests="anchors"`` name no blake3 digest: both ranks check them by
+    fingerprint, and the live digest, whose split tensors the server puts together from both
+    ranks, is still the blake3 of the trainer's own state and matches by fingerprint."""
+    from shared.digest import state_digest
+
+    trainer.publisher.digests = "anchors"
+    try:
+        for _ in range(2):
+            report = trainer.step()
+            trainer.publisher.flush()
+            assert report.state_digest == ""
+            answer = report.replicas[server.url]
+            assert (answer.get("version"), answer.get("state_fingerprint")) == \
+                (report.version, report.state_fingerprint), answer
+            d = live_digest(server)
+            want = state_digest({n: t.bfloat16() for n, t in trainer.master.items()})
+            assert (d["version"], d["state_digest"], d["state_fingerprint"], d["matches_held"], d["mismatched"]) == \
+                (report.version, want, report.state_fingerprint, True, [])
+    finally:
+        trainer.publisher.digests = "every"
+    report = trainer.step()  # back to digests every version: the unknown ones computed once
+    trainer.publisher.flush()
+    assert report.state_digest == state_digest({n: t.bfloat16() for n, t in trainer.master.items()})
+    assert report.replicas[server.url].get("state_digest") == report.state_digest
