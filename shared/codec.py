@@ -29,9 +29,11 @@ and a replica both get it in O(changes), and a version's commitment binds its st
 optional in a delta: an entry's ``digest`` is ``""`` when its writer did not compute it, and the
 header's ``state_digest`` is ``""`` unless every entry has one.
 
-Format history: 1 had no fingerprints; 2 added them but chained commitments over blake3 state
-digests, so every delta needed every touched tensor hashed whole; 3 chains them over state
-fingerprints. Files of versions 1 and 2 are refused with a message saying so.
+The header's JSON text starts with its ``format_version``. Format history: 1 had no
+fingerprints; 2 added them but chained commitments over blake3 state digests, so every delta
+needed every touched tensor hashed whole; 3 chains them over state fingerprints. Versions 1
+and 2 left the version out of the text (it was the default); their files are refused with a
+message saying so.
 """
 
 from __future__ import annotations
