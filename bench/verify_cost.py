@@ -182,7 +182,9 @@ def main() -> None:
         print(f"trainer encoder thread (digests={mode}) at {min(runs):.1%} / at {max(runs):.1%}: {x:.2f} "
               f"(target <= 0.25: {'met' if x <= 0.25 else 'NOT met'})")
     targets = {"stage_scales_with_changes (<= 0.25)": scaling,
-               "total_x_floor_at_max_fraction (<= 3)": hi["total_x_floor"], **{f"trainer_encoder_scales_with_changes, digests={m} (<= 0.25)": x for m, x in trainer_scaling.items()}}
+               "total_x_floor_at_max_fraction (<= 3)": hi["total_x_floor"],
+               **{f"trainer_encoder_scales_with_changes, digests={m} (<= 0.25)": x
+                  for m, x in trainer_scaling.items()}}
     print(f"stage at {min(runs):.1%} / stage at {max(runs):.1%}: {scaling:.2f} (target <= 0.25: "
           f"{'met' if scaling <= 0.25 else 'NOT met'})")
     print(f"stage + write + read-back + rolling at {max(runs):.1%}: {hi['total_x_floor']:.2f}x floor (target <= 3: "

@@ -284,7 +284,8 @@ def apply(base: Path = typer.Argument(..., metavar="BASE", help="checkpoint the 
         h = apply_delta(d, state, version=bh.version, commitment=bh.commitment)
     else:
         h = apply_delta(d, state, state_digest=state_digest(state))
-    if state_fingerprint_of(state) != h.state_fingerprint or (h.state_digest and state_digest(state) != h.state_digest):
+    if state_fingerprint_of(state) != h.state_fingerprint or \
+            (h.state_digest and state_digest(state) != h.state_digest):
         raise DeltaError("digest_mismatch", "result's state digest differs from the delta's")
     _write_checkpoint(state, h, output, as_json)
 
