@@ -46,19 +46,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import blake3
 import torch
 
 from shared.chain import Chain, Manifest
 from shared.digest import TORCH_DTYPES
-from shared.fingerprint import tensor_fingerprint
 from shared.errors import DeltaError
 from shared.lock import process_alive
 from shared.schemas import PauseMode, Refusal, StepReport, UpdateResponse
 from shared.stores import open_store
 
 from . import metrics
-from .live_weights import DIGEST_PASSES, check_shards, compare_live
+from .live_weights import DIGEST_PASSES, audit_hashes, check_shards, compare_live
 
 log = logging.getLogger("rollout_space.engine")
 EXTENSION = "rollout_space.worker.DeltaWorkerExtension"
@@ -117,10 +115,8 @@ def _tensor_hashes_of(answers: list[dict], dtype: str, numel: int) -> tuple[str,
             for start, n in a["runs"]:
                 whole[start * size:(start + n) * size] = d[off:off + n * size]
                 off, filled = off + n * size, filled + n
-        d, fp = ("", "") if filled != numel else (blake3.blake3(whole).hexdigest(), None)
-        if d and d != held:
-            fp = tensor_fingerprint(torch.frombuffer(whole, dtype=torch.uint8).view(TORCH_DTYPES[dtype])).hex()
-        found.append((d, fp))
+        raw = torch.frombuffer(whole, dtype=torch.uint8) if whole else torch.empty(0, dtype=torch.uint8)
+        found.append(("", "") if filled != numel else audit_hashes(raw.view(TORCH_DTYPES[dtype]), held))
     if not found:
         return None
     return next((h for h in found if ((h[0] != held) if held else (h[1] != declared))), found[0])

@@ -176,11 +176,8 @@ class LiveWeights:
         self.held.declared.update({n: fp for n, fp in fps.items() if n in digests})
 
     def hash_against(self, name: str, held_digest: str) -> tuple[str, str | None]:
-        """A whole tensor's live blake3 digest and, unless it is the held digest (which then
-        settles it), its live fingerprint: the audit's per-tensor answer (:func:`compare_live`)."""
-        t = self.live.read(name)
-        d = tensor_digest(t)
-        return d, None if d == held_digest else tensor_fingerprint(t).hex()
+        """:func:`audit_hashes` of a tensor this rank holds whole, read back from the engine."""
+        return audit_hashes(self.live.read(name), held_digest)
 
     def live_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
         """Digests read back from the engine (mapped tensors; ignored ones keep the held digest)."""
@@ -526,6 +523,13 @@ def check_shards(per_rank: list[Mapping[str, tuple[str, str] | list[str]]]) -> l
             total[name] = total.get(name, Fingerprint()) + Fingerprint.from_hex(partial)
             expected.setdefault(name, set()).add(want)
     return sorted(n for n, fp in total.items() if expected[n] != {fp.hex()})
+
+
+def audit_hashes(t: torch.Tensor, held_digest: str) -> tuple[str, str | None]:
+    """A whole tensor's blake3 digest and, unless it is the held digest (which then settles it),
+    its fingerprint: the full audit's answer per tensor (:func:`compare_live`)."""
+    d = tensor_digest(t)
+    return d, None if d == held_digest else tensor_fingerprint(t).hex()
 
 
 def compare_live(specs: Mapping[str, tuple[str, list[int]]], held_digests: Mapping[str, str],
