@@ -81,7 +81,10 @@ def state_line(name: str, dtype: str, shape: Iterable[int], digest: str) -> str:
 
 
 def state_digest_from_entries(entries: Mapping[str, tuple[str, Iterable[int], str]]) -> str:
-    """State digest from (dtype, shape, tensor digest) per name: no tensor data needed."""
+    """State digest from (dtype, shape, tensor digest) per name: no tensor data needed; ""
+    when some tensor's digest is "" (unknown: a delta published without digests touched it)."""
+    if not all(digest for _, _, digest in entries.values()):
+        return ""
     h = blake3.blake3()
     for name in sorted(entries):
         dtype, shape, digest = entries[name]
