@@ -175,6 +175,12 @@ def test_find_changes_overflow_leaves_snapshot(dtype):
     ch = find_changes(old, new2, update=True)
     assert ch.positions.tolist() == [3, 999]
     assert torch.equal(old, new2)
+    # the cap (here 1) is passed inside one word: both of its changes recorded, then taken back
+    few = torch.arange(8, dtype=dtype)
+    new3 = few.clone()
+    new3[[0, 1]] = 100
+    assert find_changes(old := few.clone(), new3, update=True, max_fraction=0.01, threads=False) is None
+    assert torch.equal(old, few)
 
 
 @pytest.mark.parametrize("threads", [False, True])
@@ -198,6 +204,38 @@ def test_find_changes_dense_chunk_takes_back_the_other_chunks_refresh(threads):
     expect = torch.nonzero(base.view(torch.int16) != new.view(torch.int16)).reshape(-1)
     assert ch.positions.tolist() == expect.tolist()
     assert torch.equal(old.view(torch.int16), new.view(torch.int16))
+
+
+@settings(max_examples=80, deadline=None)
+@given(numel=st.integers(0, 700), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       fraction=st.sampled_from([0.01, 0.1, 0.3]), slack=st.integers(-3, 3), seed=st.integers(0, 2**16),
+       update=st.booleans())
+def test_find_changes_agrees_with_a_plain_compare_at_the_dense_boundary(numel, dtype, fraction, slack, seed,
+                                                                        update):
+    """Groups of words, their tails and the single elements after the last word all count the
+    same: the result is None exactly when more than the chunk's cap changed, and a None leaves
+    the snapshot as it was."""
+    from shared.changes import find_changes
+
+    g = torch.Generator().manual_seed(seed)
+    cap = int(numel * fraction) + 1
+    count = max(0, min(numel, cap + slack))
+    base = torch.randn(numel, generator=g).to(dtype)
+    new = base.clone()
+    where = torch.randperm(numel, generator=g)[:count]
+    bits = new.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+    bits[where] ^= 1 << (seed % 15)
+    old = base.clone()
+    found = find_changes(old, new, update=update, max_fraction=fraction, threads=False)
+    if count > cap:
+        assert found is None
+        assert torch.equal(old.view(bits.dtype), base.view(bits.dtype))
+        return
+    assert found.positions.tolist() == sorted(where.tolist())
+    expect_xor = base.view(bits.dtype)[found.positions] ^ bits[found.positions]
+    assert found.xor.astype(np.int64).tolist() == (expect_xor.numpy().astype(np.int64)
+                                                    & (2 ** (8 * base.element_size()) - 1)).tolist()
+    assert torch.equal(old.view(bits.dtype), (new if update else base).view(bits.dtype))
 
 
 @settings(max_examples=60, deadline=None)
