@@ -34,6 +34,7 @@ import torch
 
 from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_for
 from .changes import (
+    ENCODE_THREADS_FROM_CHANGES,
     INT_VIEW,
     Changes,
     find_cast_changes,
@@ -139,6 +140,13 @@ class _Found:
     version: int
     found: dict[str, EncodedTensor | Changes | DenseChange]
     report: PublishReport
+
+
+def _encode_work(found: EncodedTensor | Changes | DenseChange, snapshot: torch.Tensor) -> int:
+    """What encoding one tensor costs, in changes: what detection left to do."""
+    if isinstance(found, Changes):
+        return found.count
+    return 0 if isinstance(found, EncodedTensor) else snapshot.numel()
 
 
 @dataclass
@@ -403,7 +411,8 @@ class DeltaPublisher:
             return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact,
                                 base_fingerprint=self._fingerprints[n], digest=self._new_digest())
 
-        encoded = dict(zip(names, map_balanced(one, names, [self._snapshot[n].numel() for n in names])))
+        work = [_encode_work(job.found[n], self._snapshot[n]) for n in names]
+        encoded = dict(zip(names, map_balanced(one, names, work, serial_below=ENCODE_THREADS_FROM_CHANGES)))
         if self.digests == "every":
             for n, e in encoded.items():
                 if not e.entry.digest:  # unknown since versions published with digests="anchors"
