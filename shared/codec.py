@@ -51,6 +51,7 @@ from typing import Literal
 import blake3
 import numpy as np
 import safetensors
+import safetensors.numpy
 import safetensors.torch
 import torch
 from pydantic import BaseModel, ValidationError
@@ -421,18 +422,24 @@ def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
 
 def encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | DenseChange, *,
                  digest: str | None = None, fingerprint: str | None = None,
-                 base_fingerprint: Fingerprint | None = None, compact: bool = False) -> EncodedTensor:
+                 base_fingerprint: Fingerprint | None = None, compact: bool = False,
+                 new_at: np.ndarray | None = None) -> EncodedTensor:
     """What :func:`detect_tensor` found, encoded from the new bits ``new`` alone (the old ones
     are ``new ^ xor``). The entry's fingerprint is ``fingerprint`` when the caller knows it,
     else ``base_fingerprint`` (the old tensor's) updated at the changed positions, else the
-    whole new tensor's."""
-    # the new bits at the changed positions, gathered once (a cache miss per change) for the
-    # values and the fingerprint both
-    new_at = unsigned_view(new)[found.positions] if isinstance(found, Changes) else None
+    whole new tensor's. ``new_at``: :func:`gather_new` of ``found``, if the caller has it."""
+    if new_at is None:
+        new_at = gather_new(new, found)
     enc = _encode_found(name, new, found, new_at, digest=digest, compact=compact)
     if not enc.entry.fingerprint:
         enc.entry.fingerprint = fingerprint or fingerprint_after(new, found, base_fingerprint, new_at).hex()
     return enc
+
+
+def gather_new(new: torch.Tensor, found: EncodedTensor | Changes | DenseChange) -> np.ndarray | None:
+    """The new bits at the changed positions (for :class:`Changes`), gathered once (a cache miss
+    per change) for the values and the fingerprint both."""
+    return unsigned_view(new)[found.positions] if isinstance(found, Changes) else None
 
 
 def fingerprint_after(new: torch.Tensor, found: EncodedTensor | Changes | DenseChange,
@@ -544,6 +551,10 @@ def payload_digest(blobs: Mapping[str, torch.Tensor | np.ndarray]) -> str:
 
 
 def save_delta(header: Header, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    if all(t.dtype == torch.uint8 for t in tensors.values()):
+        # the same bytes; the numpy writer skips torch's per-tensor checks for shared storage,
+        # which cost ~13 us a blob (2.3 against 0.7 ms for a delta of 180 blobs)
+        return safetensors.numpy.save({k: t.numpy() for k, t in tensors.items()}, metadata=_metadata(header))
     return safetensors.torch.save(dict(tensors), metadata=_metadata(header))
 
 

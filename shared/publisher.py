@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 
 from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_for
@@ -55,12 +56,13 @@ from .codec import (
     encode_found,
     encode_positions_classed,
     encode_tensor,
+    gather_new,
     save_anchor,
     save_delta,
 )
 from .digest import dtype_name, tensor_digest
 from .errors import DeltaError
-from .fingerprint import Fingerprint, fingerprint_delta
+from .fingerprint import Fingerprint, fingerprint_delta, fingerprint_deltas
 from .fingerprint import fingerprints as fingerprints_of
 from .lock import WriterLock
 from .stores import Store, open_store
@@ -407,9 +409,13 @@ class DeltaPublisher:
         t0 = time.perf_counter()
         names = list(job.found)
 
+        new_at = {n: gather_new(self._snapshot[n], f) for n, f in job.found.items() if isinstance(f, Changes)}
+        fingerprints = self._sparse_fingerprints(job.found, new_at)
+
         def one(n: str) -> EncodedTensor:
-            return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact,
-                                base_fingerprint=self._fingerprints[n], digest=self._new_digest())
+            return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact, new_at=new_at.get(n),
+                                fingerprint=fingerprints.get(n), base_fingerprint=self._fingerprints[n],
+                                digest=self._new_digest())
 
         work = [_encode_work(job.found[n], self._snapshot[n]) for n in names]
         encoded = dict(zip(names, map_balanced(one, names, work, serial_below=ENCODE_THREADS_FROM_CHANGES)))
@@ -448,6 +454,16 @@ class DeltaPublisher:
         report.state_fingerprint, report.state_digest = header.state_fingerprint, header.state_digest
         report.encoder_s = time.perf_counter() - t0
         return _Job(header, objects, refs, report, tmp)
+
+    def _sparse_fingerprints(self, found: Mapping[str, Changes],
+                             new_at: Mapping[str, np.ndarray]) -> dict[str, str]:
+        """The new fingerprints of the tensors found changed sparsely, from their bases' in one
+        call for them all (per tensor, the call's overhead was ~30 us: most of what a tensor
+        with few changes costs)."""
+        names = list(new_at)
+        items = [(torch.from_numpy(found[n].positions), torch.from_numpy(new_at[n] ^ found[n].xor),
+                  torch.from_numpy(new_at[n]), self._snapshot[n].element_size() * 8) for n in names]
+        return {n: (self._fingerprints[n] + add).hex() for n, add in zip(names, fingerprint_deltas(items))}
 
     def _new_digest(self) -> str | None:
         """The ``digest`` argument of the encoders for a touched tensor: None (compute it) or ""
