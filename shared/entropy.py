@@ -64,18 +64,20 @@ def _symbols(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
 
 
 def estimate_ints(x: np.ndarray) -> float:
-    """Bytes :func:`encode_ints` would take, from the symbols' entropy (no coding)."""
-    sym, _, total, counts = _symbols(np.ascontiguousarray(x, dtype=np.uint64))
-    p = counts[counts > 0] / max(sym.shape[0], 1)
-    return float(-(p * np.log2(p)).sum() * sym.shape[0] + total) / 8 + 12 + 3 * p.shape[0]
+    """Bytes :func:`encode_ints` would take, from the symbols' entropy (no coding): per symbol
+    its entropy and raw bits, plus the header and ~3 table bytes per used symbol."""
+    from . import kernels
+
+    return float(kernels.estimate_ints_bytes(np.ascontiguousarray(x), ALPHABET))
 
 
 def quantise(counts: np.ndarray, bits: int) -> np.ndarray:
     """Frequencies summing to ``2**bits``, every used symbol at least 1 (for rANS)."""
-    total = 1 << bits
-    freq = np.where(counts > 0, np.maximum(1, np.round(counts * (total / counts.sum()))), 0).astype(np.int64)
-    freq[np.argmax(freq)] += total - freq.sum()  # the largest absorbs the rounding
-    if freq.min() < 0 or freq.max() > total:
+    from . import kernels
+
+    freq = np.empty(counts.shape[0], dtype=np.int64)
+    kernels.quantise_counts(np.ascontiguousarray(counts, dtype=np.int64), bits, freq)
+    if freq.min() < 0 or freq.max() > 1 << bits:
         raise ValueError("cannot quantise these counts")
     return freq
 

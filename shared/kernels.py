@@ -227,6 +227,50 @@ def symbolize(x, sym, nraw, counts):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
+def estimate_ints_bytes(x, alphabet):  # pragma: no cover
+    """The size ``entropy.estimate_ints`` defines, in one pass and without a symbol array: the
+    symbols' entropy, their raw bits, the blob's header and a table entry per used symbol."""
+    counts = np.zeros(alphabet, dtype=np.int64)
+    total = 0
+    for i in range(x.shape[0]):
+        v = np.uint64(x[i])
+        if v < SMALL:
+            counts[np.int64(v)] += 1
+        else:
+            b = 64 - leading_zeros(v)
+            counts[SMALL + 2 * (b - 5) + np.int64((v >> np.uint64(b - 2)) & np.uint64(1))] += 1
+            total += b - 2
+    n = max(x.shape[0], 1)
+    bits = 0.0
+    used = 0
+    for c in counts:
+        if c > 0:
+            p = c / n
+            bits -= p * np.log2(p)
+            used += 1
+    return (bits * x.shape[0] + total) / 8 + 12 + 3 * used
+
+
+@numba.njit(cache=True, nogil=True)
+def quantise_counts(counts, bits, freq):  # pragma: no cover
+    """``entropy.quantise`` into ``freq``: each used symbol's count scaled to ``2**bits`` and
+    rounded half to even (at least 1); the first largest absorbs the rounding."""
+    total = 1 << bits
+    scale = total / counts.sum()
+    used = 0
+    best = 0
+    for i in range(counts.shape[0]):
+        f = 0
+        if counts[i] > 0:
+            f = max(1, np.int64(np.rint(counts[i] * scale)))
+        freq[i] = f
+        used += f
+        if f > freq[best]:
+            best = i
+    freq[best] += total - used
+
+
+@numba.njit(cache=True, nogil=True)
 def zigzag(d, out):  # pragma: no cover
     """Signed wrapping differences ``d`` (int16/int32 views) to 0, 1, 2, 3 for 0, -1, 1, -2."""
     for i in range(d.shape[0]):
