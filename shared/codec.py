@@ -325,6 +325,7 @@ def _u8(b: bytes) -> torch.Tensor:
 
 
 SAMPLE = 4096  # changes from which the size of each value kind is estimated
+SET_GATE = 1024  # of those, the ones that decide whether "set" is worth a zstd trial
 
 
 def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None, mode: str,
@@ -344,11 +345,20 @@ def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | Non
 
 def choose_mode(xor: np.ndarray, new: Callable[[int], np.ndarray]) -> str:
     """The value kind estimated smallest on the first changes (``new(k)``: the new bits of the
-    first k changes, gathered only for the sample)."""
+    first k changes, gathered only for the sample).
+
+    ``set`` is tried with zstd only where the order-0 entropy of its byte planes (on the first
+    :data:`SET_GATE` changes) comes within 2x of the better entropy-coded kind: weights that move
+    by a few ulps make it 5-10x larger, and the trial was most of this choice's cost (45 of 55 us
+    on a full sample)."""
+    from .kernels import byte_planes_entropy
+
     k = min(SAMPLE, xor.shape[0])
     sx, sn = xor[:k], new(k)
-    sizes = {"xor": estimate_ints(sx), "add": estimate_ints(zigzag(value_bits("add", sx, sn))),
-             "set": len(encode_values(sn))}
+    sizes = {"xor": estimate_ints(sx), "add": estimate_ints(zigzag(value_bits("add", sx, sn)))}
+    gate = min(SET_GATE, k)
+    if k == 0 or byte_planes_entropy(sn[:gate]) * k / gate < 2 * min(sizes.values()):
+        sizes["set"] = len(encode_values(sn))
     return min(sizes, key=sizes.get)
 
 

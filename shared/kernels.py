@@ -271,6 +271,24 @@ def quantise_counts(counts, bits, freq):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
+def byte_planes_entropy(x):  # pragma: no cover
+    """Bytes an order-0 entropy coder would take for each byte plane of ``x`` (unsigned ints):
+    roughly what zstd's literals cost when the planes hold no repeats."""
+    width = x.itemsize
+    counts = np.zeros((width, 256), dtype=np.int64)
+    for i in range(x.shape[0]):
+        v = np.uint64(x[i])
+        for p in range(width):
+            counts[p, (v >> np.uint64(8 * p)) & np.uint64(0xFF)] += 1
+    bits = 0.0
+    for p in range(width):
+        for c in counts[p]:
+            if c > 0:
+                bits -= c * np.log2(c / x.shape[0])
+    return bits / 8
+
+
+@numba.njit(cache=True, nogil=True)
 def zigzag(d, out):  # pragma: no cover
     """Signed wrapping differences ``d`` (int16/int32 views) to 0, 1, 2, 3 for 0, -1, 1, -2."""
     for i in range(d.shape[0]):

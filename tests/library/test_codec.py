@@ -97,6 +97,20 @@ def test_payload_is_small_at_one_percent():
     assert header.tensors["w"].encoding == "add"
 
 
+@pytest.mark.parametrize("changed", [100, 10_000])
+def test_values_set_to_one_constant_are_sent_as_set(changed):
+    """Weights reset to one value (a pruned or re-initialised slice) differ from their old bits
+    in every way, but their new bits repeat: the "set" kind's zstd trial is not skipped by the
+    entropy gate in front of it, and wins."""
+    torch.manual_seed(0)
+    base = {"w": (torch.randn(256, 1024) * 0.02).bfloat16()}
+    new = {"w": base["w"].clone()}
+    new["w"].view(-1)[torch.randperm(new["w"].numel())[:changed]] = 0.5
+    data, header, target = roundtrip(base, new)
+    assert same_bits(target, new)
+    assert header.tensors["w"].encoding == "set"
+
+
 def test_compact_positions_follow_the_base_exponent():
     """When small weights change more often (as when a step is below one ulp of large ones),
     coding positions per exponent class is smaller, and it needs the base to decode."""
