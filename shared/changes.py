@@ -101,15 +101,13 @@ def tensor_pool() -> ThreadPoolExecutor:
     return _pool("tensors")
 
 
-# Changed elements below which work over tensors stays on the calling thread: there the Python
-# glue per tensor outweighs the kernels, and two threads contending for the GIL made a replica's
-# staging at 0.1% of 61M parameters slower (25.9 ms, against 13.9-20.6 ms on one thread).
-THREADS_FROM_CHANGES = 1 << 17
-# The same for encoding (a trainer's encoder thread): its work per tensor is many short kernel
-# calls between Python steps, and on two threads each return from a kernel waits for the GIL
-# behind the other thread's Python. One thread was faster up to ~1M changes (26M parameters:
-# 19.7 against 39.0 ms at 0.1% changed, 34.6 against 50.6 ms at 1%; even at 5%).
-ENCODE_THREADS_FROM_CHANGES = 1 << 20
+# Changed elements below which work over tensors (a trainer's encoding, a replica's staging, a
+# library apply) stays on the calling thread. That work is many short kernel calls between
+# Python steps, and on two threads each return from a kernel waits for the GIL behind the other
+# thread's Python: up to ~1M changes one thread was faster (encoding 26M parameters: 19.7
+# against 39.0 ms at 0.1% changed, 34.6 against 50.6 ms at 1%; 79M at 1%: 63 against 83 ms;
+# staging 25M at 1% in vLLM: 12.2 against 14.8 ms).
+THREADS_FROM_CHANGES = 1 << 20
 
 
 def map_balanced(fn, items: list, weights: list[int], progress=None, serial_below: int = 0) -> list:

@@ -35,8 +35,8 @@ import torch
 
 from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_for
 from .changes import (
-    ENCODE_THREADS_FROM_CHANGES,
     INT_VIEW,
+    THREADS_FROM_CHANGES,
     Changes,
     find_cast_changes,
     find_changes,
@@ -418,7 +418,7 @@ class DeltaPublisher:
                                 digest=self._new_digest())
 
         work = [_encode_work(job.found[n], self._snapshot[n]) for n in names]
-        encoded = dict(zip(names, map_balanced(one, names, work, serial_below=ENCODE_THREADS_FROM_CHANGES)))
+        encoded = dict(zip(names, map_balanced(one, names, work, serial_below=THREADS_FROM_CHANGES)))
         if self.digests == "every":
             for n, e in encoded.items():
                 if not e.entry.digest:  # unknown since versions published with digests="anchors"
