@@ -45,9 +45,9 @@ def scan_changes(old_w, new_w, old_e, new_e, lanes, out_pos, out_xor, offset, up
     words without a branch per word (at ~1% of elements changed about half the groups are dirty,
     so per-word branches would mispredict at every other change). On one thread this ran 1.4-2x
     faster than a branch per 4 words (26M elements, 0-5% changed). Within a group's worth of the
-    cap it counts word by word, exactly. The outputs need ``lanes`` spare slots;
-    the return value exceeds ``len(out_pos) - lanes`` on overflow, and then this chunk's refresh
-    has been taken back (``old`` is as it was).
+    cap it counts word by word, exactly. The outputs need ``lanes`` spare slots; the return value
+    exceeds ``len(out_pos) - lanes`` on overflow, and then this chunk's refresh has been taken
+    back (``old`` is as it was).
     """
     cap = out_pos.shape[0] - lanes
     bits = 64 // lanes
@@ -206,22 +206,26 @@ SMALL = 16
 RICE_ESCAPE = 40
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _symbol(v):  # pragma: no cover
+    """A value's symbol and how many raw bits follow it (see ``entropy``)."""
+    v = np.uint64(v)
+    if v < SMALL:
+        return np.int64(v), 0
+    b = 64 - leading_zeros(v)
+    return SMALL + 2 * (b - 5) + np.int64((v >> np.uint64(b - 2)) & np.uint64(1)), b - 2
+
+
 @numba.njit(cache=True, nogil=True)
 def symbolize(x, sym, nraw, counts):  # pragma: no cover
     """Each value's symbol and raw-bit count; ``counts`` (zeroed) gets the symbols' histogram.
     Returns the total raw bits."""
     total = 0
     for i in range(x.shape[0]):
-        v = x[i]
-        if v < SMALL:
-            s = np.int64(v)
-            nraw[i] = 0
-        else:
-            b = 64 - leading_zeros(np.uint64(v))
-            s = SMALL + 2 * (b - 5) + np.int64((v >> np.uint64(b - 2)) & np.uint64(1))
-            nraw[i] = b - 2
-            total += b - 2
+        s, n = _symbol(x[i])
         sym[i] = s
+        nraw[i] = n
+        total += n
         counts[s] += 1
     return total
 
@@ -233,13 +237,9 @@ def estimate_ints_bytes(x, alphabet):  # pragma: no cover
     counts = np.zeros(alphabet, dtype=np.int64)
     total = 0
     for i in range(x.shape[0]):
-        v = np.uint64(x[i])
-        if v < SMALL:
-            counts[np.int64(v)] += 1
-        else:
-            b = 64 - leading_zeros(v)
-            counts[SMALL + 2 * (b - 5) + np.int64((v >> np.uint64(b - 2)) & np.uint64(1))] += 1
-            total += b - 2
+        s, raw = _symbol(x[i])
+        counts[s] += 1
+        total += raw
     n = max(x.shape[0], 1)
     bits = 0.0
     used = 0

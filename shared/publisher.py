@@ -455,7 +455,7 @@ class DeltaPublisher:
         report.encoder_s = time.perf_counter() - t0
         return _Job(header, objects, refs, report, tmp)
 
-    def _sparse_fingerprints(self, found: Mapping[str, Changes],
+    def _sparse_fingerprints(self, found: Mapping[str, EncodedTensor | Changes | DenseChange],
                              new_at: Mapping[str, np.ndarray]) -> dict[str, str]:
         """The new fingerprints of the tensors found changed sparsely, from their bases' in one
         call for them all (per tensor, the call's overhead was ~30 us: most of what a tensor
