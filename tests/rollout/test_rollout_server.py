@@ -1,14 +1,16 @@
 """The rollout server with a real vLLM engine on CPU, driven over HTTP like the trainer drives it.
 
-One replica follows a trainer for the whole module (tests run in order and share it): digests at
-every step, generation during updates, refusals, then a fresh server on the target checkpoint and
-a late replica for comparison.
+One replica follows a trainer for the whole module: digests at every step, generation during
+updates, refusals, a fresh server on the target checkpoint and a late replica for comparison.
+Each test starts from whatever version the replica serves and publishes its own versions on top;
+what the replica served when it started is recorded before any test runs (:class:`Start`).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -23,7 +25,15 @@ from shared.digest import state_digest
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The quick brown", "Guess the five letter word:", "0 1 2 3"]
-seen: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class Start:
+    """What the replica answered as it came up, before any test moved it."""
+
+    version: dict  # GET /version
+    digest: dict  # GET /weights/digest
+    completion: dict  # greedy, PROMPTS[0]
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +50,32 @@ def trainer(tiny_model_dir: Path, store: Path):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, store: Path, trainer, rollout_dir: Path):
+def launched(tiny_model_dir: Path, store: Path, trainer, rollout_dir: Path):
     s = wait_ready(launch(tiny_model_dir, store, rollout_dir))
-    trainer.publisher.replicas.append(s.url)
-    yield s
-    s.stop()
+    try:
+        start = Start(s.get("/version").json(), live_digest(s), s.complete(PROMPTS[0]))
+        trainer.publisher.replicas.append(s.url)
+        yield s, start
+    finally:
+        s.stop()
 
 
-def test_starts_on_the_base_model_as_version_0(server: Server, trainer: FakeTrainer):
-    v = server.get("/version").json()
-    assert v["version"] == 0 and v["status"] == "ready"
-    assert v["commitment"] == trainer.publisher.chain.manifest(0).commitment
-    d = live_digest(server)
-    assert d["state_digest"] == trainer.publisher.state_digest and d["matches_held"]
-    out = server.complete(PROMPTS[0])
-    assert out["policy_version"] == 0
-    seen["base"] = out["choices"][0]["logprobs"]["token_logprobs"]
+@pytest.fixture(scope="module")
+def server(launched) -> Server:
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def start(launched) -> Start:
+    return launched[1]
+
+
+def test_starts_on_the_base_model_as_version_0(start: Start, trainer: FakeTrainer):
+    v0 = trainer.publisher.chain.manifest(0)
+    assert start.version["version"] == 0 and start.version["status"] == "ready"
+    assert start.version["commitment"] == v0.commitment
+    assert start.digest["state_digest"] == v0.state_digest != "" and start.digest["matches_held"]
+    assert start.completion["policy_version"] == 0
 
 
 def test_live_digest_equals_trainer_at_every_step(server: Server, trainer: FakeTrainer):
@@ -152,8 +172,9 @@ def test_concurrent_requests_during_updates_carry_one_version_each(server: Serve
 
 
 def test_greedy_matches_fresh_server_and_late_replica_catches_up(
-        server: Server, trainer: FakeTrainer, tiny_model_dir: Path, store: Path, rollout_dir: Path):
-    target = trainer.publisher.version
+        server: Server, start: Start, trainer: FakeTrainer, tiny_model_dir: Path, store: Path, rollout_dir: Path):
+    for _ in range(2):  # this test's own versions: the weights move away from the base
+        target = announced_step(server, trainer)
     ckpt = checkpoint_dir(tiny_model_dir, str(store), target, rollout_dir / f"ckpt-v{target}")
     fresh = launch(ckpt, rollout_dir / "empty-bucket", rollout_dir)  # serves its own model
     late = launch(tiny_model_dir, store, rollout_dir)  # joins late: must catch up at start
@@ -168,7 +189,8 @@ def test_greedy_matches_fresh_server_and_late_replica_catches_up(
             assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
             assert a["choices"][0]["logprobs"]["token_logprobs"] == b["choices"][0]["logprobs"]["token_logprobs"]
             assert late.complete(p, 12)["choices"][0]["token_ids"] == a["choices"][0]["token_ids"]
-        assert server.complete(PROMPTS[0])["choices"][0]["logprobs"]["token_logprobs"] != seen["base"]
+        base = start.completion["choices"][0]["logprobs"]["token_logprobs"]
+        assert server.complete(PROMPTS[0])["choices"][0]["logprobs"]["token_logprobs"] != base
     finally:
         fresh.stop(), late.stop()
 
