@@ -61,7 +61,6 @@ from .entropy import (
     ALPHABET,
     decode_ints_into,
     encode_ints,
-    estimate_ints,
     ints_sections,
     rice_decode,
     rice_encode,
@@ -171,23 +170,53 @@ def _to_planes(a: np.ndarray) -> np.ndarray:
 
 
 def _gap_planes(positions: np.ndarray) -> tuple[bytes, int]:
-    from .kernels import max_gap, positions_to_gaps
+    from .kernels import gap_planes
 
-    nbytes = max(1, (int(max_gap(positions)).bit_length() + 7) // 8)
-    planes = np.empty(positions.shape[0] * nbytes, dtype=np.uint8)
-    positions_to_gaps(positions, nbytes, planes)
+    planes, nbytes = gap_planes(positions)
     return zstd_compress(planes), nbytes
 
 
 def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
     """Gaps between positions as a Rice code (near the entropy when changes are spread out) or
-    zstd'd byte planes (better when they cluster), whichever is smaller: decided on the first
-    :data:`SAMPLE` changes when there are more, so only the winner is computed in full."""
+    zstd'd byte planes (better when they cluster), whichever is smaller. zstd is tried only
+    where :func:`_zstd_may_win`, and with more than :data:`SAMPLE` changes decided on the first
+    ones, so that only the winner is computed in full."""
+    rice = rice_encode(positions, running=True)
+    if not _zstd_may_win(positions, len(rice)):
+        return rice, 0, "rice"
     if positions.shape[0] > SAMPLE:
-        rice_wins = len(rice_encode(positions[:SAMPLE], running=True)) <= len(_gap_planes(positions[:SAMPLE])[0])
-        return (rice_encode(positions, running=True), 0, "rice") if rice_wins else (*_gap_planes(positions), "zstd")
-    rice_blob, (zstd_blob, nbytes) = rice_encode(positions, running=True), _gap_planes(positions)
-    return (rice_blob, 0, "rice") if len(rice_blob) < len(zstd_blob) else (zstd_blob, nbytes, "zstd")
+        if len(rice_encode(positions[:SAMPLE], running=True)) <= len(_gap_planes(positions[:SAMPLE])[0]):
+            return rice, 0, "rice"
+        return (*_gap_planes(positions), "zstd")
+    zstd_blob, nbytes = _gap_planes(positions)
+    return (rice, 0, "rice") if len(rice) < len(zstd_blob) else (zstd_blob, nbytes, "zstd")
+
+
+def _zstd_may_win(positions: np.ndarray, rice_bytes: int) -> bool:
+    """Whether the gaps hold more structure than a Rice code takes in: more zero gaps, repeated
+    gaps or repeated triples of gaps (in the first :data:`PATTERN_SAMPLE`) than twice what
+    independent changes at this density give, or a Rice code over 10% above the entropy of
+    geometric gaps of the same mean (a marginal a Rice code does not fit). Otherwise the zstd
+    trial (~20 us a call whatever its size, most of what a small tensor's positions cost) is
+    skipped. Missed: a pattern whose period is longer than the sample."""
+    from .kernels import gap_runs
+
+    n = positions.shape[0]
+    if n < 2:
+        return False  # a zstd frame alone outweighs a Rice code of one gap
+    zeros, repeats, triples = gap_runs(positions, PATTERN_SAMPLE)
+    mean = (int(positions[-1]) + 1 - n) / n
+    p = 1 / (mean + 1)  # of a gap being 0
+    same = p / (2 - p)  # of two independent gaps being equal
+    m, q = min(n, PATTERN_SAMPLE), same**3
+    # of the m triples, how many repeat an earlier one by chance
+    chance = m + math.expm1(m * math.log1p(-q)) / q if 0 < q < 1 else 0.0
+    if chance > m / 8:  # changes so dense that patterns repeat by chance: the count cannot tell
+        return True
+    if zeros > 2 * n * p + 16 or repeats > 2 * n * same + 16 or triples > 2 * chance + 16:
+        return True
+    entropy_bits = math.log2(mean + 1) + (mean * math.log2((mean + 1) / mean) if mean > 0 else 0.0)
+    return rice_bytes > 1.1 * n * entropy_bits / 8 + 16
 
 
 def encode_positions_classed(positions: np.ndarray, base: np.ndarray, dtype: torch.dtype) -> bytes:
@@ -326,6 +355,7 @@ def _u8(b: bytes) -> torch.Tensor:
 
 SAMPLE = 4096  # changes from which the size of each value kind is estimated
 SET_GATE = 1024  # of those, the ones that decide whether "set" is worth a zstd trial
+PATTERN_SAMPLE = 512  # gaps searched for a repeating pattern (of a period up to about this)
 
 
 def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None, mode: str,
@@ -351,13 +381,16 @@ def choose_mode(xor: np.ndarray, new: Callable[[int], np.ndarray]) -> str:
     :data:`SET_GATE` changes) comes within 2x of the better entropy-coded kind: weights that move
     by a few ulps make it 5-10x larger, and the trial was most of this choice's cost (45 of 55 us
     on a full sample)."""
-    from .kernels import byte_planes_entropy
+    from .kernels import value_kind_sizes
 
     k = min(SAMPLE, xor.shape[0])
     sx, sn = xor[:k], new(k)
-    sizes = {"xor": estimate_ints(sx), "add": estimate_ints(zigzag(value_bits("add", sx, sn)))}
     gate = min(SET_GATE, k)
-    if k == 0 or byte_planes_entropy(sn[:gate]) * k / gate < 2 * min(sizes.values()):
+    out = np.empty(3)
+    value_kind_sizes(np.ascontiguousarray(sx), np.ascontiguousarray(sn), gate, ALPHABET, out)
+    xor_bytes, add_bytes, set_entropy = out.tolist()
+    sizes = {"xor": xor_bytes, "add": add_bytes}
+    if k == 0 or set_entropy * k / gate < 2 * min(sizes.values()):
         sizes["set"] = len(encode_values(sn))
     return min(sizes, key=sizes.get)
 

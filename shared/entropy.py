@@ -52,50 +52,15 @@ def zstd_decompress(blob, size: int) -> bytes:
     return out
 
 
-def _symbols(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
-    """Symbols, raw-bit counts, total raw bits and the symbols' histogram, in one pass."""
-    from . import kernels
-
-    sym = np.empty(x.shape[0], dtype=np.int32)
-    nraw = np.empty(x.shape[0], dtype=np.uint8)
-    counts = np.zeros(ALPHABET, dtype=np.int64)
-    total = kernels.symbolize(x, sym, nraw, counts)
-    return sym, nraw, total, counts
-
-
-def estimate_ints(x: np.ndarray) -> float:
-    """Bytes :func:`encode_ints` would take, from the symbols' entropy (no coding): per symbol
-    its entropy and raw bits, plus the header and ~3 table bytes per used symbol."""
-    from . import kernels
-
-    return float(kernels.estimate_ints_bytes(np.ascontiguousarray(x), ALPHABET))
-
-
-def quantise(counts: np.ndarray, bits: int) -> np.ndarray:
-    """Frequencies summing to ``2**bits``, every used symbol at least 1 (for rANS)."""
-    from . import kernels
-
-    freq = np.empty(counts.shape[0], dtype=np.int64)
-    kernels.quantise_counts(np.ascontiguousarray(counts, dtype=np.int64), bits, freq)
-    if freq.min() < 0 or freq.max() > 1 << bits:
-        raise ValueError("cannot quantise these counts")
-    return freq
-
-
 def encode_ints(x: np.ndarray) -> bytes:
+    """Symbols' frequencies (rounded half to even to sum to ``2**PROB_BITS``, every used symbol
+    at least 1), their rANS code and the raw bits, in one kernel call (its parts one by one
+    cost ~35 us of numpy calls a blob)."""
     from . import kernels
 
-    x = np.ascontiguousarray(x, dtype=np.uint64)
-    sym, nraw, total, counts = _symbols(x)
-    raw = np.zeros((total + 7) // 8, dtype=np.uint8)
-    kernels.pack_bits(x, nraw, raw)
-    code = np.empty(0, dtype=np.uint8)
-    freq = np.zeros(ALPHABET, dtype=np.int64)
-    if x.shape[0]:
-        freq = quantise(counts, kernels.PROB_BITS)
-        buf = np.empty(x.shape[0] * 4 + 16, dtype=np.uint8)  # worst case: 32 bits a symbol
-        start = kernels.rans_encode(sym, freq, np.cumsum(freq) - freq, buf)
-        code = buf[start:]
+    freq, code, raw, ok = kernels.encode_ints_parts(np.ascontiguousarray(x, dtype=np.uint64), ALPHABET)
+    if not ok:
+        raise ValueError("cannot quantise these counts")
     table = zstd_compress(freq.astype("<u2").tobytes())
     return b"".join([_HEAD.pack(len(table), code.shape[0], raw.shape[0]), table, code.tobytes(),
                      raw.tobytes()])
@@ -164,11 +129,8 @@ def rice_encode(x: np.ndarray, running: bool = False) -> bytes:
     else:
         mean = float(x.mean())
     k0 = max(0, int(np.log2(max(mean * 0.69, 1.0))))
-    (bits, escapes), k = min((kernels.rice_bits(x, k, running), k)
-                             for k in range(min(max(0, k0 - 1), 56), min(57, k0 + 2)))
-    out = np.zeros(bits // 8 + 9 * escapes + 2, dtype=np.uint8)
-    used = kernels.rice_pack(x, k, out, running)
-    return bytes([k]) + out[:used].tobytes()
+    k, code = kernels.rice_code(x, min(max(0, k0 - 1), 56), min(57, k0 + 2), running)
+    return bytes([k]) + code.tobytes()
 
 
 def rice_decode(blob, count: int, running: bool = False, limit: int = 1 << 62) -> np.ndarray:

@@ -164,6 +164,41 @@ def max_gap(positions):  # pragma: no cover
     return top
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _gap(positions, i):  # pragma: no cover
+    return positions[i] - (positions[i - 1] if i else -1) - 1
+
+
+@numba.njit(cache=True, nogil=True)
+def gap_runs(positions, limit):  # pragma: no cover
+    """Structure in the gaps of sorted ``positions``: how many are 0 (adjacent changes), how
+    many equal the gap before them (runs, strides), and, among the first ``limit``, how many
+    three consecutive gaps repeat three seen earlier (a pattern of any period, as when the same
+    columns change in every row; by 64-bit hash)."""
+    n = positions.shape[0]
+    zeros, repeats, before = 0, 0, np.int64(-1)
+    for i in range(n):
+        g = _gap(positions, i)
+        zeros += np.int64(g == 0)
+        repeats += np.int64(g == before)
+        before = g
+    m = min(n, limit)
+    size = 4
+    while size < 2 * m:
+        size *= 2
+    slots = np.zeros(size, dtype=np.uint64)  # 64-bit hashes of the triples seen (odd: 0 is empty)
+    triples = 0
+    for i in range(2, m):
+        h = (np.uint64(_gap(positions, i - 2) * 0x9E3779B1 + _gap(positions, i - 1)) * np.uint64(0x9E3779B97F4A7C15)
+             + np.uint64(_gap(positions, i))) * np.uint64(0xC2B2AE3D27D4EB4F) | np.uint64(1)
+        at = np.int64(h >> np.uint64(40)) & (size - 1)
+        while slots[at] and slots[at] != h:  # open addressing
+            at = (at + 1) & (size - 1)
+        triples += np.int64(slots[at] == h)  # equal hashes taken as equal triples: at worst a wasted trial
+        slots[at] = h
+    return zeros, repeats, triples
+
+
 @numba.njit(cache=True, nogil=True)
 def positions_to_gaps(positions, nbytes, planes):  # pragma: no cover
     """Inverse of :func:`gaps_to_positions`: write the low ``nbytes`` of each gap, plane by plane."""
@@ -174,6 +209,17 @@ def positions_to_gaps(positions, nbytes, planes):  # pragma: no cover
         prev = positions[i]
         for b in range(nbytes):
             planes[b * count + i] = (g >> (8 * b)) & 0xFF
+
+
+@numba.njit(cache=True, nogil=True)
+def gap_planes(positions):  # pragma: no cover
+    """The gaps of sorted ``positions`` as byte planes, each as wide as the widest gap needs
+    (at least one byte): (planes, bytes per gap)."""
+    top = max_gap(positions)
+    nbytes = max(1, (64 - leading_zeros(np.uint64(top)) + 7) // 8) if top > 0 else 1
+    planes = np.empty(positions.shape[0] * nbytes, dtype=np.uint8)
+    positions_to_gaps(positions, nbytes, planes)
+    return planes, nbytes
 
 
 @numba.njit(cache=True, nogil=True)
@@ -230,30 +276,24 @@ def symbolize(x, sym, nraw, counts):  # pragma: no cover
     return total
 
 
-@numba.njit(cache=True, nogil=True)
-def estimate_ints_bytes(x, alphabet):  # pragma: no cover
-    """The size ``entropy.estimate_ints`` defines, in one pass and without a symbol array: the
-    symbols' entropy, their raw bits, the blob's header and a table entry per used symbol."""
-    counts = np.zeros(alphabet, dtype=np.int64)
-    total = 0
-    for i in range(x.shape[0]):
-        s, raw = _symbol(x[i])
-        counts[s] += 1
-        total += raw
-    n = max(x.shape[0], 1)
+@numba.njit(cache=True, nogil=True, inline="always")
+def _ints_bytes(counts, n, raw_bits):  # pragma: no cover
+    """Bytes ``entropy.encode_ints`` is estimated to take for ``n`` values, from their symbols'
+    histogram and raw bits (no coding): the symbols' order-0 entropy, the raw bits, the blob's
+    header and ~3 table bytes per used symbol."""
     bits = 0.0
     used = 0
     for c in counts:
         if c > 0:
-            p = c / n
+            p = c / max(n, 1)
             bits -= p * np.log2(p)
             used += 1
-    return (bits * x.shape[0] + total) / 8 + 12 + 3 * used
+    return (bits * n + raw_bits) / 8 + 12 + 3 * used
 
 
 @numba.njit(cache=True, nogil=True)
 def quantise_counts(counts, bits, freq):  # pragma: no cover
-    """``entropy.quantise`` into ``freq``: each used symbol's count scaled to ``2**bits`` and
+    """Frequencies for rANS into ``freq``: each used symbol's count scaled to ``2**bits`` and
     rounded half to even (at least 1); the first largest absorbs the rounding."""
     total = 1 << bits
     scale = total / counts.sum()
@@ -270,6 +310,21 @@ def quantise_counts(counts, bits, freq):  # pragma: no cover
     freq[best] += total - used
 
 
+_XLOGX = np.array([0.0] + [c * np.log2(c) for c in range(1, 4097)])  # a log2 per bin was most of the cost
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _planes_bits(counts, n):  # pragma: no cover
+    """Order-0 entropy in bytes of each row of ``counts`` (histograms of ``n`` values each):
+    ``n log2 n - sum(c log2 c)`` per row."""
+    bits = 0.0
+    for p in range(counts.shape[0]):
+        bits += n * np.log2(max(n, 1))
+        for c in counts[p]:
+            bits -= _XLOGX[c] if c < _XLOGX.shape[0] else c * np.log2(c)
+    return bits / 8
+
+
 @numba.njit(cache=True, nogil=True)
 def byte_planes_entropy(x):  # pragma: no cover
     """Bytes an order-0 entropy coder would take for each byte plane of ``x`` (unsigned ints):
@@ -280,12 +335,37 @@ def byte_planes_entropy(x):  # pragma: no cover
         v = np.uint64(x[i])
         for p in range(width):
             counts[p, (v >> np.uint64(8 * p)) & np.uint64(0xFF)] += 1
-    bits = 0.0
-    for p in range(width):
-        for c in counts[p]:
-            if c > 0:
-                bits -= c * np.log2(c / x.shape[0])
-    return bits / 8
+    return _planes_bits(counts, x.shape[0])
+
+
+@numba.njit(cache=True, nogil=True)
+def value_kind_sizes(xor, new, gate, alphabet, out):  # pragma: no cover
+    """``codec.choose_mode``'s three figures in one pass: ``_ints_bytes`` of the XORs
+    and of the zigzagged wrapping differences (the "add" kind), and ``byte_planes_entropy`` of
+    the first ``gate`` new values, into ``out[0..2]``."""
+    width = xor.itemsize
+    mask = np.uint64((1 << (8 * width)) - 1)
+    half, full = np.int64(1) << (8 * width - 1), np.int64(1) << (8 * width)
+    cx, ca = np.zeros(alphabet, dtype=np.int64), np.zeros(alphabet, dtype=np.int64)
+    planes = np.zeros((width, 256), dtype=np.int64)
+    rx, ra = 0, 0
+    for i in range(xor.shape[0]):
+        x, v = np.uint64(xor[i]), np.uint64(new[i])
+        s, r = _symbol(x)
+        cx[s] += 1
+        rx += r
+        d = np.int64((v - (v ^ x)) & mask)  # new - old, wrapping in the element's width
+        if d >= half:
+            d -= full
+        s, r = _symbol(np.uint64((d << 1) ^ (d >> 63)))
+        ca[s] += 1
+        ra += r
+        if i < gate:
+            for p in range(width):
+                planes[p, (v >> np.uint64(8 * p)) & np.uint64(0xFF)] += 1
+    out[0] = _ints_bytes(cx, xor.shape[0], rx)
+    out[1] = _ints_bytes(ca, xor.shape[0], ra)
+    out[2] = _planes_bits(planes, gate)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -383,6 +463,9 @@ def rice_pack(x, k, out, running):  # pragma: no cover
             n, acc, filled = put_bits(out, n, acc, filled, np.uint64((1 << RICE_ESCAPE) - 1), RICE_ESCAPE + 1)
             n, acc, filled = put_bits(out, n, acc, filled, v & np.uint64(0xFFFFFFFF), 32)
             n, acc, filled = put_bits(out, n, acc, filled, v >> np.uint64(32), 32)
+        elif int(q) + 1 + k <= 56:  # the unary part and the remainder in one write
+            n, acc, filled = put_bits(out, n, acc, filled, ((np.uint64(1) << q) - np.uint64(1)) |
+                                      ((v & mask) << (q + np.uint64(1))), int(q) + 1 + k)
         else:
             n, acc, filled = put_bits(out, n, acc, filled, (np.uint64(1) << q) - np.uint64(1), int(q) + 1)
             n, acc, filled = put_bits(out, n, acc, filled, v & mask, k)
@@ -390,6 +473,19 @@ def rice_pack(x, k, out, running):  # pragma: no cover
         out[n] = acc & np.uint64(0xFF)
         n += 1
     return n
+
+
+@numba.njit(cache=True, nogil=True)
+def rice_code(x, k_lo, k_hi, running):  # pragma: no cover
+    """The smallest Rice code of ``x`` over ``k_lo <= k < k_hi`` (ties: fewer escapes, then the
+    smaller k): (k, code bytes)."""
+    best_bits, best_escapes, best_k = -1, 0, k_lo
+    for k in range(k_lo, k_hi):
+        bits, escapes = rice_bits(x, k, running)
+        if best_bits < 0 or (bits, escapes) < (best_bits, best_escapes):
+            best_bits, best_escapes, best_k = bits, escapes, k
+    out = np.zeros(best_bits // 8 + 9 * best_escapes + 2, dtype=np.uint8)
+    return best_k, out[:rice_pack(x, best_k, out, running)]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -491,6 +587,28 @@ def rans_encode(sym, freq, cum, out):  # pragma: no cover
         out[ptr] = x & np.uint64(0xFF)
         x >>= np.uint64(8)
     return ptr
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_ints_parts(x, alphabet):  # pragma: no cover
+    """``entropy.encode_ints``' numbers in one call: (frequencies, rANS code, raw bits, ok);
+    not ok when the counts cannot be quantised."""
+    n = x.shape[0]
+    sym = np.empty(n, dtype=np.int32)
+    nraw = np.empty(n, dtype=np.uint8)
+    counts = np.zeros(alphabet, dtype=np.int64)
+    total = symbolize(x, sym, nraw, counts)
+    raw = np.zeros((total + 7) // 8, dtype=np.uint8)
+    pack_bits(x, nraw, raw)
+    freq = np.zeros(alphabet, dtype=np.int64)
+    if n == 0:
+        return freq, np.empty(0, dtype=np.uint8), raw, True
+    quantise_counts(counts, PROB_BITS, freq)
+    if freq.min() < 0 or freq.max() > 1 << PROB_BITS:
+        return freq, np.empty(0, dtype=np.uint8), raw, False
+    buf = np.empty(n * 4 + 16, dtype=np.uint8)  # worst case: 32 bits a symbol
+    start = rans_encode(sym, freq, np.cumsum(freq) - freq, buf)
+    return freq, buf[start:], raw, True
 
 
 @numba.njit(cache=True, nogil=True)

@@ -84,6 +84,83 @@ def test_positions_roundtrip(values):
     assert np.array_equal(out, pos)
 
 
+def _structured_positions(kind: str, rng: np.random.Generator) -> np.ndarray:
+    if kind == "runs":  # blocks of neighbours, as rows of an embedding
+        starts = np.sort(rng.choice(10**5, 40, replace=False)) * 64
+        return (starts[:, None] + np.arange(50)).ravel()
+    if kind == "stride":  # one column of a row-major matrix
+        return np.arange(300) * 1024 + 7
+    rows = 5 if kind == "columns-long" else 96  # the same columns in every row
+    cols = np.sort(rng.choice(4096, {"columns": 40, "columns-long": 450}[kind], replace=False))
+    return (np.arange(rows)[:, None] * 4096 + cols).ravel()
+
+
+@pytest.mark.parametrize("kind", ["runs", "stride", "columns", "columns-long"])
+def test_structured_positions_are_tried_with_zstd_and_it_wins(kind):
+    """The zstd trial of positions is skipped only where the gaps look like independent
+    changes; runs, strides and a repeating column pattern keep it, and it is far smaller."""
+    from shared.codec import _gap_planes
+    from shared.entropy import rice_encode
+
+    pos = _structured_positions(kind, np.random.default_rng(0)).astype(np.int64)
+    blob, nbytes, coder = encode_positions(pos)
+    assert coder == "zstd" and len(blob) == len(_gap_planes(pos)[0]) < len(rice_encode(pos, running=True)) / 4
+    assert np.array_equal(decode_positions(blob, len(pos), nbytes, int(pos[-1]) + 1, coder), pos)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 6000), density=st.sampled_from([1e-4, 1e-3, 1e-2, 0.05, 0.3]), seed=st.integers(0, 2**16))
+def test_positions_go_as_the_smaller_coding_where_changes_are_independent(n, density, seed):
+    """Where the trial is skipped, it would not have won: independent positions at any density."""
+    from shared.codec import SAMPLE, _gap_planes
+    from shared.entropy import rice_encode
+
+    numel = max(int(n / density), n)
+    pos = np.sort(np.random.default_rng(seed).choice(numel, n, replace=False)).astype(np.int64)
+    blob, _, coder = encode_positions(pos)
+    rice, zstd = rice_encode(pos, running=True), _gap_planes(pos)[0]
+    assert blob == {"rice": rice, "zstd": zstd}[coder]
+    if n <= SAMPLE:  # decided on every change: the smaller one
+        assert len(blob) == min(len(rice), len(zstd))
+
+
+def test_value_kind_estimates_follow_their_definitions():
+    """``value_kind_sizes`` (one pass) against the definitions in plain numpy: the entropy-coded
+    size of the XORs and of the zigzagged wrapping differences, and the byte planes' entropy."""
+    from shared.entropy import ALPHABET
+    from shared.kernels import value_kind_sizes
+
+    def ints_bytes(v: np.ndarray) -> float:
+        v = v.astype(np.uint64)
+        small = v < 16
+        length = np.where(small, 0, np.floor(np.log2(np.maximum(v, 1).astype(np.float64))).astype(np.int64) + 1)
+        second = np.where(small, 0, (v >> np.maximum(length - 2, 0).astype(np.uint64)) & np.uint64(1))
+        sym = np.where(small, v, 16 + 2 * (length - 5) + second)
+        raw = np.where(small, 0, length - 2).sum()
+        _, counts = np.unique(sym, return_counts=True)
+        p = counts / max(len(v), 1)
+        return (-(p * np.log2(p)).sum() * len(v) + raw) / 8 + 12 + 3 * len(counts)
+
+    def planes_bytes(v: np.ndarray) -> float:
+        b = v.view(np.uint8).reshape(len(v), v.itemsize)
+        total = 0.0
+        for plane in b.T:
+            _, c = np.unique(plane, return_counts=True)
+            total -= (c * np.log2(c / len(v))).sum()
+        return total / 8
+
+    rng = np.random.default_rng(1)
+    for dtype, signed in ((np.uint16, np.int16), (np.uint32, np.int32)):
+        for n in (1, 7, 1000, 4096):
+            new = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
+            old = (new.astype(np.int64) + rng.integers(-3, 4, n)).astype(dtype)
+            xor, add = old ^ new, (new - old).view(signed).astype(np.int64)
+            out = np.empty(3)
+            value_kind_sizes(xor, new, min(n, 1024), ALPHABET, out)
+            want = [ints_bytes(xor), ints_bytes((add << 1) ^ (add >> 63)), planes_bytes(new[:1024])]
+            assert np.allclose(out, want, rtol=1e-12, atol=0), (dtype, n, out, want)
+
+
 def test_payload_is_small_at_one_percent():
     """At ~1% change on LLM-like bf16 weights the delta is far below int32+bf16 (6 B/change)."""
     torch.manual_seed(0)
