@@ -216,7 +216,7 @@ def gap_planes(positions):  # pragma: no cover
     """The gaps of sorted ``positions`` as byte planes, each as wide as the widest gap needs
     (at least one byte): (planes, bytes per gap)."""
     top = max_gap(positions)
-    nbytes = max(1, (64 - leading_zeros(np.uint64(top)) + 7) // 8) if top > 0 else 1
+    nbytes = (64 - leading_zeros(np.uint64(top)) + 7) // 8 if top > 0 else 1
     planes = np.empty(positions.shape[0] * nbytes, dtype=np.uint8)
     positions_to_gaps(positions, nbytes, planes)
     return planes, nbytes
