@@ -294,23 +294,6 @@ def decode_values(blob, count: int, dtype) -> np.ndarray:
     return out.view(dtype.newbyteorder("<")).astype(dtype, copy=False)
 
 
-def zigzag(d: np.ndarray) -> np.ndarray:
-    """Wrapping differences (unsigned) to small non-negative ints: 0, -1, 1, -2 -> 0, 1, 2, 3."""
-    from . import kernels
-
-    out = np.empty(d.shape[0], dtype=np.uint64)
-    kernels.zigzag(np.ascontiguousarray(d).view({2: np.int16, 4: np.int32}[d.itemsize]), out)
-    return out
-
-
-def unzigzag(z: np.ndarray, dtype) -> np.ndarray:
-    from . import kernels
-
-    out = np.empty(z.shape[0], dtype={2: np.int16, 4: np.int32}[np.dtype(dtype).itemsize])
-    kernels.unzigzag(z, out)
-    return out.view(dtype)
-
-
 # Value kinds: what is stored at each changed position, and how it is compressed.
 #   xor: old ^ new bits (entropy-coded: mostly a few low bits flip)
 #   add: new - old as wrapping integers of the bit patterns, zigzagged (entropy-coded: a one-ulp
@@ -331,7 +314,7 @@ def value_bits(mode: str, xor: np.ndarray, new: np.ndarray) -> np.ndarray:
 def encode_value_bits(mode: str, bits: np.ndarray) -> bytes:
     if VALUE_CODERS[mode] == "zstd":
         return encode_values(bits)
-    return encode_ints(zigzag(bits) if mode == "add" else bits.astype(np.uint64))
+    return encode_ints(bits, zigzag=mode == "add")
 
 
 def decode_value_bits(mode: str, blob, count: int, dtype, coder: str) -> np.ndarray:
@@ -362,15 +345,12 @@ def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | Non
                  bits: np.ndarray, changed: int) -> EncodedTensor:
     """Encode values of one kind at the given positions (None: every element)."""
     blobs = {VAL: encode_value_bits(mode, bits)}
-    coders = {VAL: VALUE_CODERS[mode]}
-    entry = base_entry.model_copy(update={"encoding": mode, "changed": changed})
-    if positions is None:
-        entry.positions = "all"
-    else:
-        blobs[POS], entry.gap_bytes, coders[POS] = encode_positions(positions)
-        entry.positions = "gaps"
-    entry.coders = coders
-    return EncodedTensor(entry, {name + k: _u8(v) for k, v in blobs.items()})
+    fields = {"encoding": mode, "changed": changed, "positions": "all", "coders": {VAL: VALUE_CODERS[mode]}}
+    if positions is not None:
+        blobs[POS], fields["gap_bytes"], fields["coders"][POS] = encode_positions(positions)
+        fields["positions"] = "gaps"
+    # one copy with every field (each attribute set on a pydantic model costs ~2 us)
+    return EncodedTensor(base_entry.model_copy(update=fields), {name + k: _u8(v) for k, v in blobs.items()})
 
 
 def choose_mode(xor: np.ndarray, new: Callable[[int], np.ndarray]) -> str:
@@ -502,15 +482,15 @@ def _encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes |
                   new_at: np.ndarray | None, *, digest: str | None, compact: bool) -> EncodedTensor:
     if isinstance(found, EncodedTensor):
         return found
-    n = unsigned_view(new)
     entry = TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape), digest=_digest(new, digest))
     if isinstance(found, DenseChange):
+        n = unsigned_view(new)
         mode = choose_mode(found.xor, lambda k=None: n[:k])
         return sparse_entry(entry, name, None, mode, value_bits(mode, found.xor, n), found.count)
     pos, xor = found.positions, found.xor
 
     def classed() -> bytes:
-        base = n.copy()  # the base bits: old ones where changed
+        base = unsigned_view(new).copy()  # the base bits: old ones where changed
         base[pos] ^= xor
         return encode_positions_classed(pos, base, new.dtype)
 

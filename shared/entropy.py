@@ -52,13 +52,17 @@ def zstd_decompress(blob, size: int) -> bytes:
     return out
 
 
-def encode_ints(x: np.ndarray) -> bytes:
+def encode_ints(x: np.ndarray, zigzag: bool = False) -> bytes:
     """Symbols' frequencies (rounded half to even to sum to ``2**PROB_BITS``, every used symbol
     at least 1), their rANS code and the raw bits, in one kernel call (its parts one by one
-    cost ~35 us of numpy calls a blob)."""
+    cost ~35 us of numpy calls a blob). ``x``: unsigned ints; with ``zigzag``, the bits of
+    signed ints of their width, coded as their zigzag (0, -1, 1, -2 -> 0, 1, 2, 3)."""
     from . import kernels
 
-    freq, code, raw, ok = kernels.encode_ints_parts(np.ascontiguousarray(x, dtype=np.uint64), ALPHABET)
+    x = np.ascontiguousarray(x)
+    if x.dtype.kind != "u":
+        raise TypeError(f"encode_ints takes unsigned ints, not {x.dtype}")
+    freq, code, raw, ok = kernels.encode_ints_parts(x, zigzag, ALPHABET)
     if not ok:
         raise ValueError("cannot quantise these counts")
     table = zstd_compress(freq.astype("<u2").tobytes())

@@ -369,14 +369,6 @@ def value_kind_sizes(xor, new, gate, alphabet, out):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def zigzag(d, out):  # pragma: no cover
-    """Signed wrapping differences ``d`` (int16/int32 views) to 0, 1, 2, 3 for 0, -1, 1, -2."""
-    for i in range(d.shape[0]):
-        s = np.int64(d[i])
-        out[i] = np.uint64((s << 1) ^ (s >> 63))
-
-
-@numba.njit(cache=True, nogil=True)
 def pack_bits(x, nraw, out):  # pragma: no cover
     """Append each value's low ``nraw`` bits, least significant first, into ``out``."""
     acc = np.uint64(0)
@@ -590,10 +582,18 @@ def rans_encode(sym, freq, cum, out):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def encode_ints_parts(x, alphabet):  # pragma: no cover
+def encode_ints_parts(bits, zig, alphabet):  # pragma: no cover
     """``entropy.encode_ints``' numbers in one call: (frequencies, rANS code, raw bits, ok);
     not ok when the counts cannot be quantised."""
-    n = x.shape[0]
+    n = bits.shape[0]
+    x = np.empty(n, dtype=np.uint64)
+    width = 8 * bits.itemsize
+    for i in range(n):
+        v = np.uint64(bits[i])
+        if zig:  # sign-extend from the element's width, then zigzag
+            s = np.int64(v << np.uint64(64 - width)) >> (64 - width)
+            v = np.uint64((s << 1) ^ (s >> 63))
+        x[i] = v
     sym = np.empty(n, dtype=np.int32)
     nraw = np.empty(n, dtype=np.uint8)
     counts = np.zeros(alphabet, dtype=np.int64)
@@ -706,14 +706,6 @@ def decode_sparse(pos_buf, pos_at, val_buf, val_at, code_at, raw_at, tables, cou
                 return t, ANS_TABLE
         at += n
     return -1, 0
-
-
-@numba.njit(cache=True, nogil=True)
-def unzigzag(z, out):  # pragma: no cover
-    """0, 1, 2, 3 -> 0, -1, 1, -2, stored with wrap-around into the (signed) ``out``."""
-    for i in range(z.shape[0]):
-        v = z[i]
-        out[i] = np.int64(v >> np.uint64(1)) ^ -np.int64(v & np.uint64(1))
 
 
 # --------------------------------------------------------------------------- classed positions
