@@ -69,9 +69,11 @@ def test_env_space_follows_openenv_conventions(rendered):
     assert manifest["type"] == "space" and manifest["runtime"] == "fastapi" and manifest["port"] == 7860
     module, attr = manifest["app"].split(":")
     # the manifest's app is what `uvicorn env_space.app:app` serves: OpenEnv's routes are on it
+    # (imported without writing bytecode: the folder is the Space repo the other tests read)
     probe = f"import {module} as m; print(sorted(r.path for r in m.{attr}.routes))"
     paths = subprocess.run([sys.executable, "-c", probe], cwd=env, capture_output=True, text=True, check=True,
-                           env={"GRADIO_ANALYTICS_ENABLED": "False", "PATH": "/usr/bin:/bin"}).stdout
+                           env={"GRADIO_ANALYTICS_ENABLED": "False", "PATH": "/usr/bin:/bin",
+                                "PYTHONDONTWRITEBYTECODE": "1"}).stdout
     for route in ("/ws", "/health", "/reset", "/step", "/schema"):
         assert f"'{route}'" in paths, paths
 
