@@ -153,20 +153,19 @@ def gaps_to_positions(planes, count, nbytes, out):  # pragma: no cover
     return pos
 
 
-@numba.njit(cache=True, nogil=True)
-def max_gap(positions):  # pragma: no cover
-    top, prev = 0, -1
-    for i in range(positions.shape[0]):
-        g = positions[i] - prev - 1
-        if g > top:
-            top = g
-        prev = positions[i]
-    return top
-
-
 @numba.njit(cache=True, nogil=True, inline="always")
 def _gap(positions, i):  # pragma: no cover
+    """The gap before sorted position ``i``: the unchanged elements since the one before it
+    (the first from -1)."""
     return positions[i] - (positions[i - 1] if i else -1) - 1
+
+
+@numba.njit(cache=True, nogil=True)
+def max_gap(positions):  # pragma: no cover
+    top = 0
+    for i in range(positions.shape[0]):
+        top = max(top, _gap(positions, i))
+    return top
 
 
 @numba.njit(cache=True, nogil=True)
@@ -203,10 +202,8 @@ def gap_runs(positions, limit):  # pragma: no cover
 def positions_to_gaps(positions, nbytes, planes):  # pragma: no cover
     """Inverse of :func:`gaps_to_positions`: write the low ``nbytes`` of each gap, plane by plane."""
     count = positions.shape[0]
-    prev = -1
     for i in range(count):
-        g = positions[i] - prev - 1
-        prev = positions[i]
+        g = _gap(positions, i)
         for b in range(nbytes):
             planes[b * count + i] = (g >> (8 * b)) & 0xFF
 
@@ -326,23 +323,11 @@ def _planes_bits(counts, n):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def byte_planes_entropy(x):  # pragma: no cover
-    """Bytes an order-0 entropy coder would take for each byte plane of ``x`` (unsigned ints):
-    roughly what zstd's literals cost when the planes hold no repeats."""
-    width = x.itemsize
-    counts = np.zeros((width, 256), dtype=np.int64)
-    for i in range(x.shape[0]):
-        v = np.uint64(x[i])
-        for p in range(width):
-            counts[p, (v >> np.uint64(8 * p)) & np.uint64(0xFF)] += 1
-    return _planes_bits(counts, x.shape[0])
-
-
-@numba.njit(cache=True, nogil=True)
 def value_kind_sizes(xor, new, gate, alphabet, out):  # pragma: no cover
     """``codec.choose_mode``'s three figures in one pass: ``_ints_bytes`` of the XORs
-    and of the zigzagged wrapping differences (the "add" kind), and ``byte_planes_entropy`` of
-    the first ``gate`` new values, into ``out[0..2]``."""
+    and of the zigzagged wrapping differences (the "add" kind), and the order-0 entropy in bytes
+    of each byte plane of the first ``gate`` new values (roughly what zstd's literals cost when
+    the planes hold no repeats), into ``out[0..2]``."""
     width = xor.itemsize
     mask = np.uint64((1 << (8 * width)) - 1)
     half, full = np.int64(1) << (8 * width - 1), np.int64(1) << (8 * width)
@@ -424,9 +409,7 @@ def put_bits(out, n, acc, filled, bits, nbits):  # pragma: no cover
 @numba.njit(cache=True, nogil=True, inline="always")
 def _value(x, i, running):  # pragma: no cover
     """``x[i]``, or with ``running`` the gap before position ``x[i]`` (the first from -1)."""
-    if not running:
-        return np.uint64(x[i])
-    return np.uint64(x[i] - (x[i - 1] if i else -1) - 1)
+    return np.uint64(_gap(x, i) if running else x[i])
 
 
 @numba.njit(cache=True, nogil=True)
