@@ -408,8 +408,12 @@ def put_bits(out, n, acc, filled, bits, nbits):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _value(x, i, running):  # pragma: no cover
-    """``x[i]``, or with ``running`` the gap before position ``x[i]`` (the first from -1)."""
-    return np.uint64(_gap(x, i) if running else x[i])
+    """``x[i]``, or with ``running`` the gap before position ``x[i]`` (the first from -1). Two
+    returns, not one conditional expression: numba unifies int64 and uint64 as float64, which
+    rounded values above 2**53."""
+    if running:
+        return np.uint64(_gap(x, i))
+    return np.uint64(x[i])
 
 
 @numba.njit(cache=True, nogil=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from shared import apply as apply_module
@@ -331,6 +331,7 @@ def test_find_changes_agrees_with_a_plain_compare_at_the_dense_boundary(numel, d
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1)), max_size=400))
+@example([2**53 + 1, 2**64 - 1, 3])  # above float64's integers: a kernel once rounded them
 def test_entropy_coders_roundtrip_and_refuse_truncation(values):
     from shared.entropy import decode_ints, encode_ints, rice_decode, rice_encode
     from shared.errors import DeltaError
