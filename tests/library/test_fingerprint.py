@@ -15,13 +15,16 @@ from hypothesis import strategies as st
 
 from shared import fingerprint as fingerprint_module
 from shared.changes import find_changes
+from shared.codec import combine
 from shared.digest import SAFETENSORS_DTYPES
 from shared.fingerprint import (
     ZERO,
     Fingerprint,
     fingerprint_delta,
     fingerprint_deltas,
+    add_lanes,
     fingerprints,
+    gather_update,
     state_fingerprint,
     state_fingerprint_of,
     tensor_fingerprint,
@@ -166,6 +169,49 @@ def test_batched_updates_split_over_threads(monkeypatch):
     bad[-1] = -1
     with pytest.raises(ValueError, match=">= 0"):
         fingerprint_deltas(items[:-1] + [(bad, *items[-1][1:])])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(view=st.sampled_from([torch.int16, torch.int32, torch.uint8]), mode=st.sampled_from(["xor", "add", "set"]),
+       numel=st.integers(1, 300), offset=st.integers(0, 50), fraction=st.sampled_from([0.01, 0.3, 1.0]),
+       seed=st.integers(0, 2**16))
+def test_gathered_update_is_the_gather_the_rule_and_the_fingerprint_change(view, mode, numel, offset, fraction, seed):
+    """The replica's one-pass staging of a tensor held as one run of a parameter gives what the
+    torch path and the reference give: the positions in the parameter, its old bits there, the new
+    bits by the codec's rule, and the fingerprint change of the tensor."""
+    g = torch.Generator().manual_seed(seed)
+    param = random_tensor(view, (offset + numel + 7,), seed)  # the tensor sits at [offset, offset + numel)
+    count = max(1, int(numel * fraction))
+    pos = torch.sort(torch.randperm(numel, generator=g)[:count]).values
+    bits = random_tensor(view, (count,), seed + 1)
+    before = param[offset:offset + numel].clone()
+    dest, old, new, lanes = gather_update(param, pos, offset, bits, mode)
+    assert torch.equal(dest, pos + offset)
+    assert torch.equal(old, param[pos + offset]) and torch.equal(new, combine(mode, old, bits))
+    assert (dest.dtype, old.dtype, new.dtype) == (torch.int64, view, view)
+    width = 8 * param.element_size()
+    expected = [(a - b) % 2**64 for a, b in zip(ref.lanes_at(pos.tolist(), ref.words(new)[0], width),
+                                               ref.lanes_at(pos.tolist(), ref.words(old)[0], width))]
+    assert lanes.tolist() == expected == list(fingerprint_delta(pos, old, new, width).lanes)
+    assert torch.equal(param[offset:offset + numel], before)  # staging writes nothing
+    after = before.clone()
+    after[pos] = new
+    assert add_lanes(tensor_fingerprint(before).hex(), [lanes]) == tensor_fingerprint(after).hex()
+
+
+def test_gathered_update_refusals():
+    param, bits = torch.zeros(10, dtype=torch.int16), torch.zeros(2, dtype=torch.int16)
+    for pos in ([3, 8], [-1, 2]):  # 8 lies past the 6 elements after offset 4
+        with pytest.raises(ValueError, match="outside the 6 elements after offset 4"):
+            gather_update(param, torch.tensor(pos), 4, bits, "xor")
+    with pytest.raises(ValueError, match="unknown rule"):
+        gather_update(param, torch.tensor([0, 1]), 0, bits, "or")
+    with pytest.raises(ValueError, match="one 16-bit value per position"):
+        gather_update(param, torch.tensor([0, 1, 2]), 0, bits, "xor")
+    with pytest.raises(ValueError, match="8-32-bit CPU tensor"):
+        gather_update(torch.zeros(10, dtype=torch.int64), torch.tensor([0, 1]), 0, bits.to(torch.int64), "set")
+    with pytest.raises(ValueError, match="64 hex digits"):
+        add_lanes("ab" * 8, [])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
