@@ -66,7 +66,8 @@ from shared.codec import DeltaFile, Header, TensorChange, TensorEntry, combine, 
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
-from shared.fingerprint import Fingerprint, add_lanes, fingerprint_deltas, gather_update, state_fingerprint, tensor_fingerprint
+from shared.fingerprint import (Fingerprint, add_lanes, fingerprint_deltas, gather_update, state_fingerprint,
+                                tensor_fingerprint)
 
 from .mapping import LiveMap
 

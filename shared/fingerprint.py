@@ -263,7 +263,8 @@ def gather_update(target: torch.Tensor, positions: torch.Tensor, offset: int, bi
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         positions = positions.to(torch.int64).contiguous()
     n = positions.shape[0]
-    dest, old, new, lanes = np.empty(n, np.int64), np.empty(n, live.dtype), np.empty(n, live.dtype), np.zeros(4, np.uint64)
+    dest, lanes = np.empty(n, np.int64), np.zeros(4, np.uint64)
+    old, new = np.empty(n, live.dtype), np.empty(n, live.dtype)
     if not _kernels()["gather"](live.view(u), positions.numpy(), offset, bits.numpy().view(u), _RULES[mode],
                                 width, dest, old.view(u), new.view(u), lanes):
         raise ValueError(f"positions outside the {target.shape[0] - offset} elements after offset {offset}")
@@ -374,7 +375,7 @@ def _torch_at(idx: torch.Tensor, words: torch.Tensor, width: int, device: torch.
 _NK0, _NK1, _NK2, _NK3 = (np.uint64(k) for k in K)
 _NM1, _NM2 = np.uint64(M1), np.uint64(M2)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_nb_mix = None  # _mix compiled (inlined into the kernels) by _kernels(), before they compile
+_nb_mix = _nb_lanes_into = None  # compiled (inlined into the kernels) by _kernels(), before they compile
 
 
 def _mix(z):  # pragma: no cover - compiled by numba
@@ -397,32 +398,37 @@ def _range_kernel(words, start, width, out):  # pragma: no cover - compiled by n
     out[0], out[1], out[2], out[3] = s0, s1, s2, s3
 
 
-def _delta_kernel(idx, old, new, width, bounds, out):  # pragma: no cover - compiled by numba
-    """Per segment ``k`` (``bounds[k]:bounds[k+1]``), lane sums of ``new[j]`` minus those of
-    ``old[j]``, both at word index ``idx[j]``, into ``out[k]``; False if an index is negative.
-    New and old sum apart and the sign is tested once per segment: so LLVM keeps the four lanes
-    in one vector register each (written as one difference per lane with a test per index, it
-    did not, at 2x the time)."""
+def _lanes_into(idx, old, new, width, lo, hi, out):  # pragma: no cover - inlined by numba
+    """Lane sums of ``new[j]`` minus those of ``old[j]``, both at word index ``idx[j]``, for
+    ``lo <= j < hi``, into ``out``; whether an index was negative. New and old sum apart and the
+    sign is tested once: so LLVM keeps the four lanes in one vector register each (written as one
+    difference per lane with a test per index, it did not, at 2x the time)."""
     sh = np.uint64(width)
+    a0, a1, a2, a3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    b0, b1, b2, b3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    negative = False
+    for j in range(lo, hi):
+        negative |= idx[j] < 0
+        at = np.uint64(idx[j]) << sh
+        x, y = at | np.uint64(new[j]), at | np.uint64(old[j])
+        a0 += _nb_mix(x ^ _NK0)
+        a1 += _nb_mix(x ^ _NK1)
+        a2 += _nb_mix(x ^ _NK2)
+        a3 += _nb_mix(x ^ _NK3)
+        b0 += _nb_mix(y ^ _NK0)
+        b1 += _nb_mix(y ^ _NK1)
+        b2 += _nb_mix(y ^ _NK2)
+        b3 += _nb_mix(y ^ _NK3)
+    out[0], out[1], out[2], out[3] = a0 - b0, a1 - b1, a2 - b2, a3 - b3
+    return negative
+
+
+def _delta_kernel(idx, old, new, width, bounds, out):  # pragma: no cover - compiled by numba
+    """Per segment ``k`` (``bounds[k]:bounds[k+1]``), :func:`_lanes_into` ``out[k]``; False if
+    an index is negative."""
     for k in range(bounds.shape[0] - 1):
-        a0, a1, a2, a3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
-        b0, b1, b2, b3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
-        negative = False
-        for j in range(bounds[k], bounds[k + 1]):
-            negative |= idx[j] < 0
-            at = np.uint64(idx[j]) << sh
-            x, y = at | np.uint64(new[j]), at | np.uint64(old[j])
-            a0 += _nb_mix(x ^ _NK0)
-            a1 += _nb_mix(x ^ _NK1)
-            a2 += _nb_mix(x ^ _NK2)
-            a3 += _nb_mix(x ^ _NK3)
-            b0 += _nb_mix(y ^ _NK0)
-            b1 += _nb_mix(y ^ _NK1)
-            b2 += _nb_mix(y ^ _NK2)
-            b3 += _nb_mix(y ^ _NK3)
-        if negative:
+        if _nb_lanes_into(idx, old, new, width, bounds[k], bounds[k + 1], out[k]):
             return False
-        out[k, 0], out[k, 1], out[k, 2], out[k, 3] = a0 - b0, a1 - b1, a2 - b2, a3 - b3
     return True
 
 
@@ -449,21 +455,7 @@ def _gather_kernel(target, positions, offset, bits, mode, width, dest, old, new,
             new[j] = old[j] + bits[j]  # truncated to the element width by the store
     else:
         new[:] = bits
-    sh = np.uint64(width)
-    a0, a1, a2, a3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
-    b0, b1, b2, b3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
-    for j in range(positions.shape[0]):
-        at = np.uint64(positions[j]) << sh
-        x, y = at | np.uint64(new[j]), at | np.uint64(old[j])
-        a0 += _nb_mix(x ^ _NK0)
-        a1 += _nb_mix(x ^ _NK1)
-        a2 += _nb_mix(x ^ _NK2)
-        a3 += _nb_mix(x ^ _NK3)
-        b0 += _nb_mix(y ^ _NK0)
-        b1 += _nb_mix(y ^ _NK1)
-        b2 += _nb_mix(y ^ _NK2)
-        b3 += _nb_mix(y ^ _NK3)
-    out[0], out[1], out[2], out[3] = a0 - b0, a1 - b1, a2 - b2, a3 - b3
+    _nb_lanes_into(positions, old, new, width, 0, positions.shape[0], out)
     return True
 
 
@@ -475,7 +467,7 @@ def _kernels():
     """The compiled kernels, built once: the first callers are the thread pool's workers, all at
     once, and ``_nb_mix`` must be bound before either kernel compiles. Later calls (one per
     staged piece) read them without the lock."""
-    global _KERNELS, _nb_mix
+    global _KERNELS, _nb_mix, _nb_lanes_into
     if _KERNELS is not None:
         return _KERNELS
     with _KERNELS_LOCK:
@@ -483,6 +475,7 @@ def _kernels():
             import numba
 
             _nb_mix = numba.njit(inline="always")(_mix)
+            _nb_lanes_into = numba.njit(inline="always")(_lanes_into)
             jit = numba.njit(cache=True, nogil=True)
             _KERNELS = {"range": jit(_range_kernel), "delta": jit(_delta_kernel),
                         "gather": jit(_gather_kernel)}
