@@ -7,6 +7,7 @@ the one way they do it. Output goes to a file, never a pipe (a full pipe would b
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import time
@@ -18,10 +19,34 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 
 
+_PORTS = random.SystemRandom()  # not the global generator, which a test may seed alike in every worker
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now, from below the kernel's ephemeral range. A port the
+    kernel hands out (``bind(0)``) is released before the server binds it, and a server that
+    starts a vLLM engine first takes a minute to bind: meanwhile the kernel can give the same
+    port to someone else's ``bind(0)`` or outgoing connection (vLLM's own ZMQ ports, another
+    test worker), and the server exits with "Address already in use" (seen in CI). Ports below
+    the range are never handed out that way; only another ``free_port`` can pick the same one,
+    one chance in thousands."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = _PORTS.randrange(10000, low) if low > 11000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free loopback port found")
 
 
 def wait_healthy(url: str, timeout: float, *, check: Callable[[], None] = lambda: None) -> None:
