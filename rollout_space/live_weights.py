@@ -66,8 +66,8 @@ from shared.codec import DeltaFile, Header, TensorChange, TensorEntry, combine, 
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
-from shared.fingerprint import (Fingerprint, add_lanes, fingerprint_deltas, gather_update, state_fingerprint,
-                                tensor_fingerprint)
+from shared.fingerprint import (Fingerprint, GatherItem, add_lanes, fingerprint_deltas, gather_updates,
+                                state_fingerprint, tensor_fingerprint)
 
 from .mapping import LiveMap
 
@@ -157,6 +157,7 @@ class LiveWeights:
         self.audit_every = audit_every
         self._audit_order = sorted(live.map.tensors)
         self._audit_next = 0
+        self._gather_at: dict[str, tuple[torch.Tensor, int] | None] = {}  # see _gather_item
 
     # ------------------------------------------------------------------ reading
     def digest(self, name: str) -> str:
@@ -237,10 +238,11 @@ class LiveWeights:
         """Decode (one numba call per batch of tensors) and gather, on the tensor threads from
         :data:`STAGE_THREADS_FROM` changes on (the kernels release the GIL, and a gather waits on
         memory, which a second thread overlaps), then predict every touched tensor's fingerprint.
-        A tensor that is one run of a CPU parameter is gathered in one numba pass that also gives
-        its fingerprint change (:func:`~shared.fingerprint.gather_update`); the others through
-        torch (any device), their fingerprint changes in one call for all. ``timings``:
-        ``stage_s`` is wall time; ``decode_s`` and ``gather_s`` are summed over the threads."""
+        The tensors that are one run of a CPU parameter are gathered in one numba call per batch
+        that also gives their fingerprint changes (:func:`~shared.fingerprint.gather_updates`);
+        the others through torch (any device), their fingerprint changes in one call for all.
+        ``timings``: ``stage_s`` is wall time; ``decode_s`` and ``gather_s`` are summed over the
+        threads."""
         t0 = time.perf_counter()
         header = delta.header
         self.check(header)
@@ -254,7 +256,7 @@ class LiveWeights:
                 a = time.perf_counter()
                 changes = delta.decode(members, base=self.live.read)
                 b = time.perf_counter()
-                out = [(c, self._patches_for(c)) for c in changes]
+                out = list(zip(changes, self._pieces(changes)))
             times.append((b - a, time.perf_counter() - b))
             return out
 
@@ -281,17 +283,39 @@ class LiveWeights:
             "decode_s": sum(d for d, _ in times), "gather_s": sum(g for _, g in times), "predict_s": t_predict,
             "stage_s": time.perf_counter() - t0})
 
+    def _pieces(self, changes: list[TensorChange]) -> list[list[Piece]]:
+        """Each change's pieces. The tensors held as one run of a CPU parameter in the
+        checkpoint's dtype (all of them on one rank) are gathered with their fingerprint changes
+        in one numba call per element width (:func:`~shared.fingerprint.gather_updates`), the
+        others through torch, a piece per parameter."""
+        out: list[list[Piece] | None] = [None] * len(changes)
+        runs: dict[int, list[tuple[int, GatherItem]]] = {}  # by element size
+        for i, change in enumerate(changes):
+            item = self._gather_item(change)
+            if item is None:
+                out[i] = self._patches_for(change)
+            else:
+                runs.setdefault(item.target.element_size(), []).append((i, item))
+        for run in runs.values():
+            for (i, item), (dest, old, new, lanes) in zip(run, gather_updates([item for _, item in run])):
+                out[i] = [Piece(Patch(changes[i].name, item.target, dest, new, old), item.positions, old, new, lanes)]
+        return out  # type: ignore[return-value]
+
+    def _gather_item(self, change: TensorChange) -> GatherItem | None:
+        """The change as one item of :func:`~shared.fingerprint.gather_updates`, where it can be one."""
+        if change.positions is None or change.mode == "full":
+            return None
+        if change.name not in self._gather_at:  # (the parameter's integer view, the offset), or None
+            one, dtype = self.live.single_run(change.name), TORCH_DTYPES[self.held.specs[change.name][0]]
+            flat = None if one is None else self.live.flats[one[0]]
+            fits = flat is not None and flat.is_cpu and flat.dtype == dtype and flat.element_size() <= 4
+            self._gather_at[change.name] = (_bits(flat), one[1]) if fits else None
+        at = self._gather_at[change.name]
+        return None if at is None else GatherItem(at[0], at[1], change.positions, change.bits, change.mode)
+
     def _patches_for(self, change: TensorChange) -> list[Piece]:
-        """The change's pieces, one per engine parameter this rank holds of it."""
+        """The change's pieces through torch, one per engine parameter this rank holds of it."""
         ck_dtype = TORCH_DTYPES[self.held.specs[change.name][0]]
-        one = self.live.single_run(change.name)
-        if one is not None and change.positions is not None and change.mode != "full":
-            flat = self.live.flats[one[0]]
-            if flat.device.type == "cpu" and flat.dtype == ck_dtype and flat.element_size() <= 4:
-                # the common case, in one pass: a tensor that is one run of a parameter
-                target = _bits(flat)
-                dest, old, new, lanes = gather_update(target, change.positions, one[1], change.bits, change.mode)
-                return [Piece(Patch(change.name, target, dest, new, old), change.positions, old, new, lanes)]
         full = change.bits.reshape(-1) if change.mode == "full" else None
         if full is not None:
             full = _bits(full)
@@ -335,9 +359,13 @@ class LiveWeights:
         rest = [(p.positions, p.old, p.new, TORCH_DTYPES[header.tensors[name].dtype].itemsize * 8)
                 for name, pieces in pending for p in pieces if p.lanes is None]
         adds = iter(np.array(fp.lanes, dtype=np.uint64) for fp in fingerprint_deltas(rest))
+        lanes = np.zeros((len(pending), 4), dtype=np.uint64)
+        for row, (_, pieces) in zip(lanes, pending):
+            for p in pieces:
+                row += next(adds) if p.lanes is None else p.lanes  # uint64 wraps mod 2**64
+        after = add_lanes([self.held.fingerprints[name] for name, _ in pending], lanes)
         shards = {}
-        for name, pieces in pending:
-            fp = add_lanes(self.held.fingerprints[name], [next(adds) if p.lanes is None else p.lanes for p in pieces])
+        for (name, _), fp in zip(pending, after):
             declared = header.tensors[name].fingerprint
             if not self.live.whole(name):
                 shards[name] = (fp, declared)

@@ -292,6 +292,12 @@ class Placement:
     dest: torch.Tensor  # flat positions in the parameter
 
 
+def _single_run(t: TensorMap) -> tuple[int, int] | None:
+    if len(t.hf_start) == 1 and t.hf_start[0] == 0 and t.length[0] == t.numel:
+        return t.param[0], t.param_start[0]
+    return None
+
+
 class LiveMap:
     """An :class:`EngineMap` bound to the live parameters of a model."""
 
@@ -308,6 +314,9 @@ class LiveMap:
                                f"{tuple(spec.shape)}/{spec.dtype}")
         self.flats = [p.data.view(-1) for p in self.params]
         self._arrays: dict[str, tuple[torch.Tensor, ...]] = {}
+        # asked per touched tensor per version: answered once (the map does not change)
+        self._single = {n: _single_run(t) for n, t in emap.tensors.items()}
+        self._whole = {n for n, t in emap.tensors.items() if t.covered == t.numel}
 
     @property
     def names(self) -> list[str]:
@@ -315,10 +324,7 @@ class LiveMap:
 
     def single_run(self, name: str) -> tuple[int, int] | None:
         """(param, offset) when the whole tensor is one contiguous run, else None."""
-        t = self.map.tensors[name]
-        if len(t.hf_start) == 1 and t.hf_start[0] == 0 and t.length[0] == t.numel:
-            return t.param[0], t.param_start[0]
-        return None
+        return self._single[name]
 
     def locate(self, name: str, positions: torch.Tensor | None) -> list[Placement]:
         """Parameter positions of the given checkpoint positions (None: every element)."""
@@ -349,8 +355,7 @@ class LiveMap:
     def whole(self, name: str) -> bool:
         """Whether this rank holds every element of ``name`` (always on one rank; under tensor
         parallelism, a tensor every rank holds a copy of, e.g. a norm)."""
-        t = self.map.tensors[name]
-        return t.covered == t.numel
+        return name in self._whole
 
     def runs(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
         """(checkpoint flat start, live elements in the checkpoint's dtype) per run this rank holds."""

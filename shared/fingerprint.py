@@ -33,7 +33,7 @@ import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -239,48 +239,81 @@ def fingerprint_deltas(items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.T
 _RULES = {"xor": 0, "add": 1, "set": 2}  # the codec's rules for new bits (codec.combine)
 
 
-def gather_update(target: torch.Tensor, positions: torch.Tensor, offset: int, bits: torch.Tensor,
-                  mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
-    """Stages a change's write into ``target[offset + positions]`` in one numba pass (CPU,
-    8-32-bit integer views): ``(engine positions, old bits, new bits, lanes)``, where the new
-    bits follow the codec's rule ``mode`` (:func:`shared.codec.combine`) and ``lanes`` (four
-    uint64) is what the write adds to the fingerprint of the tensor whose flat elements
-    ``positions`` index (:func:`fingerprint_delta` of the old and new bits). A replica stages
-    this per touched tensor per version; as a gather, a combine and a fingerprint update it was
-    a dozen torch and numba calls and three copies."""
-    if mode not in _RULES:
-        raise ValueError(f"unknown rule {mode!r} (one of {sorted(_RULES)})")
-    width = target.element_size() * 8
-    if target.device.type != "cpu" or target.dim() != 1 or width not in _UNSIGNED_NP:
-        raise ValueError(f"a flat 8-32-bit CPU tensor to gather from, not {target.dtype} {tuple(target.shape)} "
-                         f"on {target.device}")
-    if bits.element_size() != target.element_size() or bits.shape != positions.shape or positions.dim() != 1:
-        raise ValueError(f"one {width}-bit value per position: {positions.shape[0]} positions, "
-                         f"{bits.dtype} {tuple(bits.shape)}")
-    # numpy buffers, torch views on them: each torch allocation or .numpy() costs microseconds
+class GatherItem(NamedTuple):
+    """One tensor's change to stage: its write goes to ``target[offset + positions]``."""
+
+    target: torch.Tensor  # flat 8-32-bit integer view of a CPU parameter
+    offset: int
+    positions: torch.Tensor  # int64, the tensor's flat indices
+    bits: torch.Tensor  # one value per position, as wide as the target's elements
+    mode: str  # the codec's rule for the new bits (shared.codec.combine)
+
+
+def gather_updates(items: Sequence[GatherItem]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]]:
+    """Stages the writes of ``items`` (all of one element width) in one numba call: per item,
+    ``(engine positions, old bits, new bits, lanes)``, that is ``offset + positions``, the
+    target's bits there, the new bits by the item's rule, and what its write adds to the
+    fingerprint of the tensor that ``positions`` index (four uint64: :func:`fingerprint_delta`
+    of the old and new bits). The kernel reaches every target, position and bit array by address:
+    a replica stages each touched tensor every version, and at 0.1% changed a call per tensor
+    spent more time on numba's argument checks and numpy views than on the gather itself."""
+    if not items:
+        return []
+    size = items[0].target.element_size()
+    width = size * 8
+    if width not in _UNSIGNED_NP:
+        raise ValueError(f"8-32-bit targets, not {items[0].target.dtype}")
+    rows = []  # per item: the addresses of target, positions and bits, offset, limit, rule
+    bounds = [0]
+    keep = []  # copies made contiguous here, alive until the kernel returns
+    for k, (target, offset, positions, bits, mode) in enumerate(items):
+        # attribute checks only: a tensor's .device or .shape comparison costs about a microsecond
+        if not target.is_cpu or target.dim() != 1 or target.element_size() != size or not target.is_contiguous():
+            raise ValueError(f"item {k}: a flat {width}-bit CPU tensor to gather from, not {target.dtype} "
+                             f"{tuple(target.shape)} on {target.device}")
+        if positions.dim() != 1 or bits.dim() != 1 or bits.element_size() != size \
+                or bits.numel() != positions.numel():
+            raise ValueError(f"item {k}: one {width}-bit value per position: {positions.numel()} positions, "
+                             f"{bits.dtype} {tuple(bits.shape)}")
+        if positions.dtype != torch.int64 or not positions.is_cpu or not positions.is_contiguous():
+            positions = positions.to("cpu", torch.int64).contiguous()
+            keep.append(positions)
+        if not bits.is_cpu or not bits.is_contiguous():
+            bits = bits.cpu().contiguous()
+            keep.append(bits)
+        rule = _RULES.get(mode)
+        if rule is None:
+            raise ValueError(f"item {k}: unknown rule {mode!r} (one of {sorted(_RULES)})")
+        numel = target.numel()
+        if not 0 <= offset <= numel:
+            raise ValueError(f"item {k}: offset {offset} outside the target's {numel} elements")
+        rows.append((target.data_ptr(), positions.data_ptr(), bits.data_ptr(), offset, numel - offset, rule))
+        bounds.append(bounds[-1] + positions.numel())
     u = _UNSIGNED_NP[width]
-    live = target.numpy()
-    if positions.dtype != torch.int64 or not positions.is_contiguous():
-        positions = positions.to(torch.int64).contiguous()
-    n = positions.shape[0]
-    dest, lanes = np.empty(n, np.int64), np.zeros(4, np.uint64)
-    old, new = np.empty(n, live.dtype), np.empty(n, live.dtype)
-    if not _kernels()["gather"](live.view(u), positions.numpy(), offset, bits.numpy().view(u), _RULES[mode],
-                                width, dest, old.view(u), new.view(u), lanes):
-        raise ValueError(f"positions outside the {target.shape[0] - offset} elements after offset {offset}")
-    return torch.from_numpy(dest), torch.from_numpy(old), torch.from_numpy(new), lanes
+    dest, old, new = np.empty(bounds[-1], np.int64), np.empty(bounds[-1], u), np.empty(bounds[-1], u)
+    lanes = np.zeros((len(rows), 4), np.uint64)
+    failed = _kernels()["gather"](np.array(rows, dtype=np.int64), np.array(bounds, dtype=np.int64), width,
+                                  dest, old, new, lanes)
+    del keep
+    if failed >= 0:
+        *_, offset, limit, _ = rows[failed]
+        raise ValueError(f"item {failed}: positions outside the {limit} elements after offset {offset}")
+    signed = _NP_SIGNED[size]
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]  # one split, not a slice per item
+    return list(zip(torch.from_numpy(dest).split(sizes), torch.from_numpy(old.view(signed)).split(sizes),
+                    torch.from_numpy(new.view(signed)).split(sizes), lanes))
 
 
-def add_lanes(fingerprint: str, lanes: Iterable[np.ndarray]) -> str:
-    """``fingerprint`` (hex) plus the lane sums ``lanes`` (each four uint64), as hex: the
-    arithmetic of :class:`Fingerprint` on numpy words, for a replica that updates every touched
-    tensor's fingerprint every version."""
-    acc = np.frombuffer(bytes.fromhex(fingerprint), dtype=">u8").astype(np.uint64)
-    if acc.shape != (4,):
-        raise ValueError(f"a fingerprint is 64 hex digits: {fingerprint!r}")
-    for row in lanes:
-        acc += row  # uint64 arrays wrap mod 2**64
-    return acc.astype(">u8").tobytes().hex()
+def add_lanes(fingerprints: Sequence[str], lanes: np.ndarray) -> list[str]:
+    """Each hex fingerprint plus its row of lane sums (``lanes``: one row of four uint64 per
+    fingerprint), as hex: the arithmetic of :class:`Fingerprint` on numpy words, in one pass for
+    every touched tensor a replica updates each version."""
+    if any(len(f) != 64 for f in fingerprints) or lanes.shape != (len(fingerprints), 4):
+        raise ValueError(f"64 hex digits and four lanes per fingerprint: {len(fingerprints)} fingerprints, "
+                         f"lanes {lanes.shape}")
+    acc = np.frombuffer(bytes.fromhex("".join(fingerprints)), dtype=">u8").astype(np.uint64).reshape(-1, 4)
+    hexes = (acc + lanes.astype(np.uint64, copy=False)).astype(">u8").tobytes().hex()  # uint64 wraps mod 2**64
+    return [hexes[i:i + 64] for i in range(0, len(hexes), 64)]
 
 
 def fingerprints(state: Mapping[str, torch.Tensor], *, device: str | torch.device | None = None,
@@ -375,7 +408,7 @@ def _torch_at(idx: torch.Tensor, words: torch.Tensor, width: int, device: torch.
 _NK0, _NK1, _NK2, _NK3 = (np.uint64(k) for k in K)
 _NM1, _NM2 = np.uint64(M1), np.uint64(M2)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_nb_mix = _nb_lanes_into = None  # compiled (inlined into the kernels) by _kernels(), before they compile
+_nb_mix = _nb_lanes_into = _nb_address = _nb_carray = None  # compiled (inlined into the kernels) by _kernels(), before they compile
 
 
 def _mix(z):  # pragma: no cover - compiled by numba
@@ -432,31 +465,53 @@ def _delta_kernel(idx, old, new, width, bounds, out):  # pragma: no cover - comp
     return True
 
 
-def _gather_kernel(target, positions, offset, bits, mode, width, dest, old, new, out):  # pragma: no cover
-    """A change's write into ``target[offset + positions]`` staged: the engine positions, the
-    bits there, the new bits by the codec's rule (mode 0: ``old ^ bits``, 1: ``old + bits``
-    wrapping, 2: ``bits``) and the lane sums the write adds to the fingerprint of the tensor whose
-    elements ``positions`` index. False, with nothing read, if a position falls outside the
-    target. One pass per step (gather, rule, fingerprint): fused into one loop, the gather's
-    loads and the stores kept LLVM from vectorising the lanes, at 2.5x the time."""
-    limit = target.shape[0] - offset
-    for j in range(positions.shape[0]):
-        if positions[j] < 0 or positions[j] >= limit:
-            return False
-    for j in range(positions.shape[0]):
-        d = positions[j] + offset
-        dest[j] = d
-        old[j] = target[d]
-    if mode == 0:
+def _gather_kernel(table, bounds, width, dest, old, new, out):  # pragma: no cover - compiled by numba
+    """The writes of :func:`gather_updates` staged, item ``k`` described by ``table[k]`` (the
+    addresses of its target, positions and bits, its offset, limit and rule: 0 ``old ^ bits``, 1
+    ``old + bits`` wrapping, 2 ``bits``) and owning ``bounds[k]:bounds[k+1]`` of the outputs.
+    Returns -1, or with nothing read the first item with a position outside its target. One pass
+    per step (gather, rule, fingerprint): fused into one loop, the gather's loads and the stores
+    kept LLVM from vectorising the lanes, at 2.5x the time."""
+    for k in range(bounds.shape[0] - 1):
+        positions = _nb_carray(_nb_address(table[k, 1], dest), bounds[k + 1] - bounds[k])
+        limit = table[k, 4]
         for j in range(positions.shape[0]):
-            new[j] = old[j] ^ bits[j]
-    elif mode == 1:
-        for j in range(positions.shape[0]):
-            new[j] = old[j] + bits[j]  # truncated to the element width by the store
-    else:
-        new[:] = bits
-    _nb_lanes_into(positions, old, new, width, 0, positions.shape[0], out)
-    return True
+            if positions[j] < 0 or positions[j] >= limit:
+                return k
+    for k in range(bounds.shape[0] - 1):
+        lo, hi = bounds[k], bounds[k + 1]
+        offset, mode = table[k, 3], table[k, 5]
+        positions = _nb_carray(_nb_address(table[k, 1], dest), hi - lo)
+        bits = _nb_carray(_nb_address(table[k, 2], old), hi - lo)
+        target = _nb_carray(_nb_address(table[k, 0], old), offset + table[k, 4])
+        d, o, n = dest[lo:hi], old[lo:hi], new[lo:hi]
+        for j in range(hi - lo):
+            at = positions[j] + offset
+            d[j] = at
+            o[j] = target[at]
+        if mode == 0:
+            for j in range(hi - lo):
+                n[j] = o[j] ^ bits[j]
+        elif mode == 1:
+            for j in range(hi - lo):
+                n[j] = o[j] + bits[j]  # truncated to the element width by the store
+        else:
+            n[:] = bits
+        _nb_lanes_into(positions, o, n, width, 0, hi - lo, out[k])
+    return -1
+
+
+def _address(typingctx, address, like):  # pragma: no cover - a numba intrinsic, built in _kernels()
+    """A pointer to elements of ``like``'s type at the integer ``address`` (a tensor's
+    ``data_ptr()``): how one kernel call reaches many tensors that are not one array."""
+    from numba.core import types
+
+    signature = types.CPointer(like.dtype)(address, like)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return signature, codegen
 
 
 _KERNELS = None
@@ -465,17 +520,19 @@ _KERNELS_LOCK = threading.Lock()
 
 def _kernels():
     """The compiled kernels, built once: the first callers are the thread pool's workers, all at
-    once, and ``_nb_mix`` must be bound before either kernel compiles. Later calls (one per
-    staged piece) read them without the lock."""
-    global _KERNELS, _nb_mix, _nb_lanes_into
+    once, and the inlined helpers must be bound before any kernel compiles. Later calls read
+    them without the lock."""
+    global _KERNELS, _nb_mix, _nb_lanes_into, _nb_address, _nb_carray
     if _KERNELS is not None:
         return _KERNELS
     with _KERNELS_LOCK:
         if _KERNELS is None:
             import numba
+            from numba.extending import intrinsic
 
             _nb_mix = numba.njit(inline="always")(_mix)
             _nb_lanes_into = numba.njit(inline="always")(_lanes_into)
+            _nb_address, _nb_carray = intrinsic(_address), numba.carray
             jit = numba.njit(cache=True, nogil=True)
             _KERNELS = {"range": jit(_range_kernel), "delta": jit(_delta_kernel),
                         "gather": jit(_gather_kernel)}

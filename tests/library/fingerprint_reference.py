@@ -22,8 +22,10 @@ def mix(z: int) -> int:
 
 def words(t: torch.Tensor) -> tuple[list[int], int]:
     """The unsigned words of ``t`` in C order, read from its raw little-endian bytes, and their width."""
-    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     size = min(t.element_size(), 4)
+    if t.numel() == 0:  # an empty view may have stride 0, which .view() of another width refuses
+        return [], 8 * size
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return [int.from_bytes(raw[j:j + size], "little") for j in range(0, len(raw), size)], 8 * size
 
 

@@ -23,8 +23,9 @@ from shared.fingerprint import (
     fingerprint_delta,
     fingerprint_deltas,
     add_lanes,
+    GatherItem,
     fingerprints,
-    gather_update,
+    gather_updates,
     state_fingerprint,
     state_fingerprint_of,
     tensor_fingerprint,
@@ -172,46 +173,75 @@ def test_batched_updates_split_over_threads(monkeypatch):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(view=st.sampled_from([torch.int16, torch.int32, torch.uint8]), mode=st.sampled_from(["xor", "add", "set"]),
-       numel=st.integers(1, 300), offset=st.integers(0, 50), fraction=st.sampled_from([0.01, 0.3, 1.0]),
+@given(view=st.sampled_from([torch.int16, torch.int32, torch.uint8]),
+       tensors=st.lists(st.tuples(st.sampled_from(["xor", "add", "set"]), st.integers(1, 300), st.integers(0, 50),
+                                  st.sampled_from([0.0, 0.01, 0.3, 1.0])), min_size=1, max_size=4),
        seed=st.integers(0, 2**16))
-def test_gathered_update_is_the_gather_the_rule_and_the_fingerprint_change(view, mode, numel, offset, fraction, seed):
-    """The replica's one-pass staging of a tensor held as one run of a parameter gives what the
-    torch path and the reference give: the positions in the parameter, its old bits there, the new
-    bits by the codec's rule, and the fingerprint change of the tensor."""
+def test_gathered_updates_are_the_gather_the_rule_and_the_fingerprint_change(view, tensors, seed):
+    """The replica's staging of tensors held as one run of a parameter, several in one call,
+    gives per tensor what the torch path and the reference give: the positions in the parameter,
+    its old bits there, the new bits by the codec's rule, and the fingerprint change of the
+    tensor."""
     g = torch.Generator().manual_seed(seed)
-    param = random_tensor(view, (offset + numel + 7,), seed)  # the tensor sits at [offset, offset + numel)
-    count = max(1, int(numel * fraction))
-    pos = torch.sort(torch.randperm(numel, generator=g)[:count]).values
-    bits = random_tensor(view, (count,), seed + 1)
-    before = param[offset:offset + numel].clone()
-    dest, old, new, lanes = gather_update(param, pos, offset, bits, mode)
-    assert torch.equal(dest, pos + offset)
-    assert torch.equal(old, param[pos + offset]) and torch.equal(new, combine(mode, old, bits))
-    assert (dest.dtype, old.dtype, new.dtype) == (torch.int64, view, view)
-    width = 8 * param.element_size()
-    expected = [(a - b) % 2**64 for a, b in zip(ref.lanes_at(pos.tolist(), ref.words(new)[0], width),
-                                               ref.lanes_at(pos.tolist(), ref.words(old)[0], width))]
-    assert lanes.tolist() == expected == list(fingerprint_delta(pos, old, new, width).lanes)
-    assert torch.equal(param[offset:offset + numel], before)  # staging writes nothing
-    after = before.clone()
-    after[pos] = new
-    assert add_lanes(tensor_fingerprint(before).hex(), [lanes]) == tensor_fingerprint(after).hex()
+    items, befores = [], []
+    for k, (mode, numel, offset, fraction) in enumerate(tensors):
+        param = random_tensor(view, (offset + numel + 7,), seed + 2 * k)  # the tensor: [offset, offset + numel)
+        count = int(numel * fraction)
+        pos = torch.sort(torch.randperm(numel, generator=g)[:count]).values
+        items.append(GatherItem(param, offset, pos, random_tensor(view, (count,), seed + 2 * k + 1), mode))
+        befores.append(param[offset:offset + numel].clone())
+    staged = gather_updates(items)
+    assert len(staged) == len(items)
+    width = 8 * items[0].target.element_size()
+    for (param, offset, pos, bits, mode), before, (dest, old, new, lanes) in zip(items, befores, staged):
+        assert (dest.dtype, old.dtype, new.dtype, lanes.shape) == (torch.int64, view, view, (4,))
+        assert torch.equal(dest, pos + offset)
+        assert torch.equal(old, param[pos + offset]) and torch.equal(new, combine(mode, old, bits))
+        expected = [(x - y) % 2**64 for x, y in zip(ref.lanes_at(pos.tolist(), ref.words(new)[0], width),
+                                                    ref.lanes_at(pos.tolist(), ref.words(old)[0], width))]
+        assert lanes.tolist() == expected == list(fingerprint_delta(pos, old, new, width).lanes)
+        assert torch.equal(param[offset:offset + len(before)], before)  # staging writes nothing
+        after = before.clone()
+        after[pos] = new
+        assert add_lanes([tensor_fingerprint(before).hex()], lanes[None]) == [tensor_fingerprint(after).hex()]
 
 
 def test_gathered_update_refusals():
     param, bits = torch.zeros(10, dtype=torch.int16), torch.zeros(2, dtype=torch.int16)
+    fine = GatherItem(torch.zeros(3, dtype=torch.int16), 0, torch.tensor([0, 2]), bits, "add")
     for pos in ([3, 8], [-1, 2]):  # 8 lies past the 6 elements after offset 4
-        with pytest.raises(ValueError, match="outside the 6 elements after offset 4"):
-            gather_update(param, torch.tensor(pos), 4, bits, "xor")
+        with pytest.raises(ValueError, match="item 1: positions outside the 6 elements after offset 4"):
+            gather_updates([fine, GatherItem(param, 4, torch.tensor(pos), bits, "xor")])
     with pytest.raises(ValueError, match="unknown rule"):
-        gather_update(param, torch.tensor([0, 1]), 0, bits, "or")
+        gather_updates([GatherItem(param, 0, torch.tensor([0, 1]), bits, "or")])
     with pytest.raises(ValueError, match="one 16-bit value per position"):
-        gather_update(param, torch.tensor([0, 1, 2]), 0, bits, "xor")
-    with pytest.raises(ValueError, match="8-32-bit CPU tensor"):
-        gather_update(torch.zeros(10, dtype=torch.int64), torch.tensor([0, 1]), 0, bits.to(torch.int64), "set")
+        gather_updates([GatherItem(param, 0, torch.tensor([0, 1, 2]), bits, "xor")])
+    with pytest.raises(ValueError, match="offset 11 outside"):
+        gather_updates([GatherItem(param, 11, torch.tensor([0, 1]), bits, "xor")])
+    with pytest.raises(ValueError, match="8-32-bit"):
+        gather_updates([GatherItem(torch.zeros(10, dtype=torch.int64), 0, torch.tensor([0, 1]), bits.long(), "set")])
+    with pytest.raises(ValueError, match="item 1: a flat 16-bit CPU tensor"):  # one element width per call
+        gather_updates([fine, GatherItem(param.int(), 0, torch.tensor([0, 1]), bits.int(), "set")])
+    with pytest.raises(ValueError, match="item 0: a flat 16-bit CPU tensor"):
+        gather_updates([GatherItem(param[::2], 0, torch.tensor([0, 1]), bits, "set")])
+    assert torch.equal(param, torch.zeros(10, dtype=torch.int16))
     with pytest.raises(ValueError, match="64 hex digits"):
-        add_lanes("ab" * 8, [])
+        add_lanes(["ab" * 8], np.zeros((1, 4), np.uint64))
+    with pytest.raises(ValueError, match="four lanes per fingerprint"):
+        add_lanes(["ab" * 32], np.zeros((2, 4), np.uint64))
+    with pytest.raises(ValueError, match="non-hexadecimal"):
+        add_lanes(["xy" * 32], np.zeros((1, 4), np.uint64))
+
+
+def test_gathered_updates_take_int32_positions_and_strided_bits():
+    """Positions of another integer type and bits that are a strided view are copied first, so
+    the kernel reads what the caller passed, not neighbouring memory."""
+    param = torch.arange(20, dtype=torch.int16)
+    bits = torch.arange(100, 120, dtype=torch.int16)[::5]  # 100, 105, 110, 115
+    [(dest, old, new, _)] = gather_updates([GatherItem(param, 2, torch.tensor([0, 3, 5, 9], dtype=torch.int32),
+                                                      bits, "set")])
+    assert dest.tolist() == [2, 5, 7, 11] and old.tolist() == [2, 5, 7, 11] and new.tolist() == [100, 105, 110, 115]
+    assert gather_updates([]) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
