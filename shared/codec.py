@@ -900,9 +900,9 @@ class DeltaFile:
                                     torch.iinfo(iv).bits, positions, values)
         if failed >= 0:
             raise DeltaError("corrupt", f"{members[failed]}: {_sparse_failure(why, int(limits[failed]))}")
-        pos, vals = torch.from_numpy(positions), torch.from_numpy(values.view(SIGNED_NP[iv]))
-        return [TensorChange(n, e.encoding, pos[a:b], vals[a:b])
-                for n, e, a, b in zip(members, entries, bounds[:-1].tolist(), bounds[1:].tolist())]
+        sizes = counts.tolist()  # one split, not a slice per tensor
+        pos, vals = torch.from_numpy(positions).split(sizes), torch.from_numpy(values.view(SIGNED_NP[iv])).split(sizes)
+        return [TensorChange(n, e.encoding, p, v) for n, e, p, v in zip(members, entries, pos, vals)]
 
     def changes(self, base: Callable[[str], torch.Tensor] | None = None) -> Iterator[TensorChange]:
         """Every change; ``base(name)`` is asked for a base tensor only where one is needed."""

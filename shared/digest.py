@@ -85,11 +85,9 @@ def state_digest_from_entries(entries: Mapping[str, tuple[str, Iterable[int], st
     when some tensor's digest is "" (unknown: a delta published without digests touched it)."""
     if not all(digest for _, _, digest in entries.values()):
         return ""
-    h = blake3.blake3()
-    for name in sorted(entries):
-        dtype, shape, digest = entries[name]
-        h.update(state_line(name, dtype, shape, digest).encode())
-    return h.hexdigest()
+    # one update of all the lines: a header's check runs this twice per version, and an update
+    # per line cost a few microseconds each
+    return blake3.blake3("".join(state_line(name, *entries[name]) for name in sorted(entries)).encode()).hexdigest()
 
 
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:

@@ -99,7 +99,8 @@ def decode_ints_into(blob, out: np.ndarray, zigzag: bool = False) -> np.ndarray:
     try:
         code = np.frombuffer(blob[code_at:raw_at], dtype=np.uint8)
         raw = np.frombuffer(blob[raw_at:], dtype=np.uint8)
-        status = kernels.rans_decode_values(code, table, raw, zigzag, 8 * out.itemsize, out)
+        status = kernels.rans_decode_values(code, table, raw, zigzag, 8 * out.itemsize, out,
+                                            np.empty(1 << kernels.PROB_BITS, dtype=np.uint64))
         if status:
             raise ValueError({-1: "the code or its raw bits run out", -2: "value wider than its element",
                               -3: "symbol table does not add up"}[status])

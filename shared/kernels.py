@@ -599,11 +599,12 @@ def encode_ints_parts(bits, zig, alphabet):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def rans_decode_values(code, table, raw, zig, width, out):  # pragma: no cover
+def rans_decode_values(code, table, raw, zig, width, out, slots):  # pragma: no cover
     """Decode rANS symbols and their raw bits (and, with ``zig``, unzigzag them) in one pass,
     straight into the element-wide unsigned ``out``: no symbol or 64-bit arrays in between.
-    ``table``: the symbols' frequencies (uint16), from which the cumulative and slot tables are
-    built here, as a small array pass is cheaper in numba than its numpy calls. Returns 0, -1
+    ``table``: the symbols' frequencies (uint16), from which the slot table is built here, into
+    ``slots`` (``2**PROB_BITS`` uint64, scratch: one buffer serves many tensors), as a small
+    array pass is cheaper in numba than its numpy calls. Returns 0, -1
     if the code or the raw bits run out, -2 if a value is wider than ``width`` bits, -3 if the
     frequencies do not add up (damaged input)."""
     count = out.shape[0]
@@ -616,7 +617,6 @@ def rans_decode_values(code, table, raw, zig, width, out):  # pragma: no cover
         return -3
     # per slot, one load: the symbol (bits 32-47), its frequency (bits 0-15) and the slot's
     # offset within the symbol's range (bits 16-31), which the state update needs
-    slots = np.empty(1 << PROB_BITS, dtype=np.uint64)
     at = 0
     for s in range(table.shape[0]):
         f = np.uint64(table[s])
@@ -671,6 +671,7 @@ def decode_sparse(pos_buf, pos_at, val_buf, val_at, code_at, raw_at, tables, cou
     strictly increasing and below ``limits[t]``) and values go to the next ``counts[t]`` slots of
     ``positions`` and ``values``. Returns (-1, 0), or the first failing tensor and a code."""
     at = 0
+    slots = np.empty(1 << PROB_BITS, dtype=np.uint64)  # one slot table, rebuilt per tensor
     for t in range(counts.shape[0]):
         n = counts[t]
         p0, p1 = pos_at[t], pos_at[t + 1]
@@ -684,7 +685,7 @@ def decode_sparse(pos_buf, pos_at, val_buf, val_at, code_at, raw_at, tables, cou
             return t, RICE_SHORT
         if n:
             got = rans_decode_values(val_buf[code_at[t]:raw_at[t]], tables[t], val_buf[raw_at[t]:val_at[t + 1]],
-                                     zig[t], width, values[at:at + n])
+                                     zig[t], width, values[at:at + n], slots)
             if got == -1:
                 return t, ANS_SHORT
             if got == -2:
