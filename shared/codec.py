@@ -910,7 +910,8 @@ class DeltaFile:
         if failed >= 0:
             raise DeltaError("corrupt", f"{members[failed]}: {_sparse_failure(why, int(limits[failed]))}")
         sizes = counts.tolist()  # one split, not a slice per tensor
-        pos, vals = torch.from_numpy(positions).split(sizes), torch.from_numpy(values.view(SIGNED_NP[iv])).split(sizes)
+        pos = torch.from_numpy(positions).split(sizes)
+        vals = torch.from_numpy(values.view(SIGNED_NP[iv])).split(sizes)
         return [TensorChange(n, e.encoding, p, v) for n, e, p, v in zip(members, entries, pos, vals)]
 
     def changes(self, base: Callable[[str], torch.Tensor] | None = None) -> Iterator[TensorChange]:

@@ -408,7 +408,8 @@ def _torch_at(idx: torch.Tensor, words: torch.Tensor, width: int, device: torch.
 _NK0, _NK1, _NK2, _NK3 = (np.uint64(k) for k in K)
 _NM1, _NM2 = np.uint64(M1), np.uint64(M2)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_nb_mix = _nb_lanes_into = _nb_address = _nb_carray = None  # compiled (inlined into the kernels) by _kernels(), before they compile
+# compiled (inlined into the kernels) by _kernels(), before they compile
+_nb_mix = _nb_lanes_into = _nb_address = _nb_carray = None
 
 
 def _mix(z):  # pragma: no cover - compiled by numba

@@ -238,8 +238,8 @@ def test_gathered_updates_take_int32_positions_and_strided_bits():
     the kernel reads what the caller passed, not neighbouring memory."""
     param = torch.arange(20, dtype=torch.int16)
     bits = torch.arange(100, 120, dtype=torch.int16)[::5]  # 100, 105, 110, 115
-    [(dest, old, new, _)] = gather_updates([GatherItem(param, 2, torch.tensor([0, 3, 5, 9], dtype=torch.int32),
-                                                      bits, "set")])
+    positions = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    [(dest, old, new, _)] = gather_updates([GatherItem(param, 2, positions, bits, "set")])
     assert dest.tolist() == [2, 5, 7, 11] and old.tolist() == [2, 5, 7, 11] and new.tolist() == [100, 105, 110, 115]
     assert gather_updates([]) == []
 
