@@ -20,123 +20,112 @@ def xor_scatter(target, positions, bits, offset):  # pragma: no cover
         target[positions[i] - offset] ^= bits[i]
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _record(x, base, bits, mask, lanes, out_pos, out_xor, k):  # pragma: no cover
-    """Write a changed word's lanes without branches; keep those that are non-zero."""
-    for j in range(lanes):
-        lane = (x >> np.uint64(bits * j)) & mask
-        out_pos[k] = base + j
-        out_xor[k] = lane
-        k += lane != 0
-    return k
-
-
-SCAN_GROUP = 16  # words whose XORs are computed and OR-ed in one vectorised step
+SCAN_BLOCK = 64  # elements compared at once: one bit each in a 64-bit mask
 
 
 @numba.njit(cache=True, nogil=True)
-def scan_changes(old_w, new_w, old_e, new_e, lanes, out_pos, out_xor, offset, update):  # pragma: no cover
+def scan_changes(old, new, out_pos, out_xor, offset, update):  # pragma: no cover
     """Record positions (``offset`` added) and XORs of the elements whose bits differ; with
-    ``update``, refresh ``old`` to ``new`` in the same pass, word by word while it is in cache
-    (a second pass over the positions costs a cache miss per change).
+    ``update``, refresh ``old`` to ``new`` in the same pass, element by element while it is in
+    cache (a second pass over the positions costs a cache miss per change).
 
-    Words go in groups of ``SCAN_GROUP``: their XORs land in a buffer in one vectorised loop that
-    also ORs them, a clean group costs nothing more, and a dirty one is compacted to its changed
-    words without a branch per word (at ~1% of elements changed about half the groups are dirty,
-    so per-word branches would mispredict at every other change). On one thread this ran 1.4-2x
-    faster than a branch per 4 words (26M elements, 0-5% changed). Within a group's worth of the
-    cap it counts word by word, exactly. The outputs need ``lanes`` spare slots; the return value
-    exceeds ``len(out_pos) - lanes`` on overflow, and then this chunk's refresh has been taken
-    back (``old`` is as it was).
+    Elements go in blocks of ``SCAN_BLOCK``: one vectorised loop compares a block into a bit
+    mask, a clean block costs nothing more, and a dirty one is walked bit by bit (trailing-zero
+    count), so the work per change is a few instructions and the only mispredicted branch is a
+    block's last bit. On one thread this ran at the memory's read speed at 0.1% changed and
+    1.6-2.7x faster than the word groups it replaced at 1-5% (25M bf16 elements). The block
+    loop must count blocks, not step through elements: with ``range(0, n, 64)`` numba did not
+    vectorise the compare (4x slower). Returns the number of changes, or ``len(out_pos) + 1``
+    once there are more, and then this call's refresh has been taken back (``old`` is as it
+    was).
     """
-    cap = out_pos.shape[0] - lanes
-    bits = 64 // lanes
-    mask = (np.uint64(1) << np.uint64(bits)) - np.uint64(1)
-    group = np.empty(SCAN_GROUP, np.uint64)
-    dirty = np.empty(SCAN_GROUP, np.int64)
+    cap = out_pos.shape[0]
     k = 0
-    nw = old_w.shape[0]
-    rest = nw - nw % SCAN_GROUP  # where the word-by-word loop takes over
-    for w0 in range(0, rest, SCAN_GROUP):
-        any_x = np.uint64(0)
-        for j in range(SCAN_GROUP):
-            x = old_w[w0 + j] ^ new_w[w0 + j]
-            group[j] = x
-            any_x |= x
-        if any_x == 0:
-            continue
-        m = 0
-        for j in range(SCAN_GROUP):
-            dirty[m] = j
-            m += group[j] != 0
-        if k + m * lanes > cap:  # close to the cap: count exactly, word by word, from here on
-            rest = w0
-            break
-        for i in range(m):
-            j = dirty[i]
-            k = _record(group[j], offset + (w0 + j) * lanes, bits, mask, lanes, out_pos, out_xor, k)
+    blocks = old.shape[0] // SCAN_BLOCK
+    for b in range(blocks + 1):
+        base = b * SCAN_BLOCK
+        m = np.uint64(0)
+        if b < blocks:
+            for j in range(SCAN_BLOCK):
+                m |= np.uint64((old[base + j] ^ new[base + j]) != 0) << np.uint64(j)
+        else:  # the last, partial block
+            for j in range(old.shape[0] - base):
+                m |= np.uint64((old[base + j] ^ new[base + j]) != 0) << np.uint64(j)
+        while m:
+            i = base + trailing_zeros(m)
+            if k >= cap:
+                if update:
+                    xor_scatter(old, out_pos[:k], out_xor[:k], offset)
+                return cap + 1
+            out_pos[k] = offset + i
+            out_xor[k] = old[i] ^ new[i]
             if update:
-                old_w[w0 + j] = new_w[w0 + j]
-    over = False  # a changed word or element was left unrecorded: more than ``cap`` changes
-    for w in range(rest, nw):
-        x = old_w[w] ^ new_w[w]
-        if x == 0:
-            continue
-        if k >= cap:
-            over = True
-            break
-        k = _record(x, offset + w * lanes, bits, mask, lanes, out_pos, out_xor, k)
-        if update:
-            old_w[w] = new_w[w]
-    for i in range(nw * lanes, old_e.shape[0] if not over else 0):  # the elements after the last word
-        x = old_e[i] ^ new_e[i]
-        if x == 0:
-            continue
-        if k >= cap:
-            over = True
-            break
-        out_pos[k] = offset + i
-        out_xor[k] = x
-        k += 1
-        if update:
-            old_e[i] = new_e[i]
-    if over or k > cap:
-        if update:
-            xor_scatter(old_e, out_pos[:k], out_xor[:k], offset)
-        return cap + 1
+                old[i] = new[i]
+            k += 1
+            m &= m - np.uint64(1)
     return k
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bf16_bits(u):  # pragma: no cover
+    """fp32 bits to bf16 bits, rounding to nearest even (exact where ``_not_cast`` is 0)."""
+    return np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _not_cast(u):  # pragma: no cover
+    """1 for a NaN or a subnormal, else 0; without branches, so the block loop vectorises."""
+    e = u & np.uint32(0x7F800000)
+    return (np.uint32(e == np.uint32(0x7F800000)) | np.uint32(e == 0)) & np.uint32((u & np.uint32(0x007FFFFF)) != 0)
 
 
 @numba.njit(cache=True, nogil=True)
 def scan_cast_bf16(live, old, out_pos, out_xor, offset, update):  # pragma: no cover
     """:func:`scan_changes` of fp32 ``live`` (uint32 bits) cast to bf16 against bf16 ``old``
     (uint16 bits), the cast fused in: round to nearest even, exact for every finite normal
-    value, zero and infinity. Returns -1 at the first NaN or subnormal (torch's NaN bits and
-    subnormal handling differ between its CPU code paths, so the caller casts with torch then),
-    more than ``len(out_pos)`` on overflow, else the number of changes. ``update`` refreshes
-    ``old`` in the same pass, taken back when it returns -1 or overflows."""
+    value, zero and infinity. Returns -1 if any element is a NaN or a subnormal (torch's NaN
+    bits and subnormal handling differ between its CPU code paths, so the caller casts with
+    torch then), ``len(out_pos) + 1`` on overflow, else the number of changes. ``update``
+    refreshes ``old`` in the same pass, taken back when it returns -1 or overflows.
+
+    Blocks and bit masks as in :func:`scan_changes`, the cast and the NaN/subnormal test
+    computed for the whole block without a branch (1.7x faster at 0-1% changed, 25M elements,
+    than a branch per element); a changed element's cast is recomputed when it is recorded.
+    """
     cap = out_pos.shape[0]
     k = 0
-    for i in range(live.shape[0]):
-        u = live[i]
-        e = u & np.uint32(0x7F800000)
-        if (e == np.uint32(0x7F800000) and (u & np.uint32(0x007FFFFF)) != 0) or (
-                e == 0 and (u & np.uint32(0x007FFFFF)) != 0):
+    blocks = live.shape[0] // SCAN_BLOCK
+    for b in range(blocks + 1):
+        base = b * SCAN_BLOCK
+        m = np.uint64(0)
+        bad = np.uint32(0)
+        if b < blocks:
+            for j in range(SCAN_BLOCK):
+                u = live[base + j]
+                bad |= _not_cast(u)
+                m |= np.uint64(old[base + j] != _bf16_bits(u)) << np.uint64(j)
+        else:  # the last, partial block
+            for j in range(live.shape[0] - base):
+                u = live[base + j]
+                bad |= _not_cast(u)
+                m |= np.uint64(old[base + j] != _bf16_bits(u)) << np.uint64(j)
+        if bad:
             if update:
                 xor_scatter(old, out_pos[:k], out_xor[:k], offset)
             return -1
-        b = np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16))
-        x = old[i] ^ b
-        if x != 0:
+        while m:
+            i = base + trailing_zeros(m)
             if k >= cap:
                 if update:
                     xor_scatter(old, out_pos[:k], out_xor[:k], offset)
                 return cap + 1
+            c = _bf16_bits(live[i])
             out_pos[k] = offset + i
-            out_xor[k] = x
-            k += 1
+            out_xor[k] = old[i] ^ c
             if update:
-                old[i] = b
+                old[i] = c
+            k += 1
+            m &= m - np.uint64(1)
     return k
 
 

@@ -266,7 +266,7 @@ def test_find_changes_overflow_leaves_snapshot(dtype):
     ch = find_changes(old, new2, update=True)
     assert ch.positions.tolist() == [3, 999]
     assert torch.equal(old, new2)
-    # the cap (here 1) is passed inside one word: both of its changes recorded, then taken back
+    # the cap (here 1) is passed inside one block: its first change recorded, then taken back
     few = torch.arange(8, dtype=dtype)
     new3 = few.clone()
     new3[[0, 1]] = 100
@@ -303,9 +303,9 @@ def test_find_changes_dense_chunk_takes_back_the_other_chunks_refresh(threads):
        update=st.booleans())
 def test_find_changes_agrees_with_a_plain_compare_at_the_dense_boundary(numel, dtype, fraction, slack, seed,
                                                                         update):
-    """Groups of words, their tails and the single elements after the last word all count the
-    same: the result is None exactly when more than the chunk's cap changed, and a None leaves
-    the snapshot as it was."""
+    """Whole blocks of 64 elements and the partial block after them count the same: the result
+    is None exactly when more than the chunk's cap changed, and a None leaves the snapshot as it
+    was."""
     from shared.changes import find_changes
 
     g = torch.Generator().manual_seed(seed)
