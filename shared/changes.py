@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -236,22 +237,61 @@ def find_cast_changes(old: torch.Tensor, live: torch.Tensor, *, update: bool = F
     materialising the cast (one pass instead of a cast and a compare). The same per-chunk dense
     rule (None); False where the fused cast does not apply (NaN or subnormal weights, another
     dtype or layout): then cast with torch and call :func:`find_changes`."""
-    if (live.dtype != torch.float32 or old.dtype != torch.bfloat16 or live.shape != old.shape
-            or live.device.type != "cpu" or old.device.type != "cpu"
-            or not (live.is_contiguous() and old.is_contiguous())):
-        return False
-    from .kernels import scan_cast_bf16
+    return find_changes_many([(old, live)], update=update, max_fraction=max_fraction, cast=True,
+                             max_changes=None)[0]
 
-    lv, o = live.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32), unsigned_view(old)
-    found = []
-    for start, stop, cap in _chunks(o.shape[0], max_fraction):
-        pos, xor = _scratch(cap, o.dtype)
-        k = scan_cast_bf16(lv[start:stop], o[start:stop], pos, xor, start, update)
-        if k < 0 or k > cap:  # the chunk took back its own refresh; the earlier ones are undone
-            if update:
-                _undo(o, found)
-            return False if k < 0 else None
-        found.append((pos[:k].copy(), xor[:k].copy()))
-    positions = np.concatenate([p for p, _ in found]) if found else np.empty(0, np.int64)
-    xor = np.concatenate([x for _, x in found]) if found else np.empty(0, o.dtype)
-    return Changes(positions, xor)
+
+BATCH_CHANGES = 1 << 21  # the most changes one scan_many call may record: bounds its buffers
+
+
+def _cap_total(numel: int, max_fraction: float) -> int:
+    """The sum of a tensor's chunk caps (:func:`_chunks`): what its scan may record."""
+    full, rest = divmod(numel, CHUNK_ELEMENTS)
+    return full * (int(CHUNK_ELEMENTS * max_fraction) + 1) + (int(rest * max_fraction) + 1 if rest else 0)
+
+
+def find_changes_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, update: bool = False,
+                      max_fraction: float = 1 / 16, cast: bool = False,
+                      max_changes: int | None = BATCH_CHANGES) -> list[Changes | None | bool]:
+    """:func:`find_changes` of many ``(old, new)`` host pairs on the calling thread, or with
+    ``cast`` :func:`find_cast_changes` of many ``(bf16 snapshot, fp32 live)`` pairs, in one
+    kernel call per element width (more where their caps exceed ``max_changes``): a trainer
+    scans every tensor every version, and a call per tensor cost ~25 us of numba's argument
+    checks and numpy views, more than scanning a small tensor. Per pair: its :class:`Changes`,
+    None for a dense change, or False where the kernel does not apply (a dtype, shape, layout or
+    device it does not take, a tensor whose caps alone exceed ``max_changes``, and with ``cast``
+    NaN or subnormal weights): then call the one-tensor function."""
+    from .kernels import scan_many
+
+    out: list[Changes | None | bool] = [False] * len(pairs)
+    groups: dict[int, list[tuple[int, int]]] = {}  # element size -> (pair, its caps' sum)
+    for i, (old, new) in enumerate(pairs):
+        kind = (old.dtype == torch.bfloat16 and new.dtype == torch.float32) if cast else \
+            (old.dtype == new.dtype and old.dtype in INT_VIEW)
+        if kind and old.is_cpu and new.is_cpu and old.is_contiguous() and new.is_contiguous() \
+                and old.shape == new.shape:
+            caps = _cap_total(old.numel(), max_fraction)
+            if max_changes is None or caps <= max_changes:
+                groups.setdefault(old.element_size(), []).append((i, caps))
+    for size, members in groups.items():
+        u = np.dtype(UNSIGNED_NP[INT_VIEW[pairs[members[0][0]][0].dtype]])
+        like_old, like_new = np.empty(0, u), np.empty(0, np.uint32 if cast else u)
+        batch, total = [], 0
+        for i, caps in members + [(None, 0)]:
+            if batch and (i is None or (max_changes is not None and total + caps > max_changes)):
+                table = np.array([(pairs[j][0].data_ptr(), pairs[j][1].data_ptr(), pairs[j][0].numel())
+                                  for j in batch], dtype=np.int64)
+                counts = np.empty(len(batch), np.int64)
+                pos, xor = _scratch(total, u)
+                k = scan_many(table, like_old, like_new, CHUNK_ELEMENTS, max_fraction, pos, xor, counts,
+                              update, cast)
+                kept = np.maximum(counts, 0)
+                ends = np.cumsum(kept)[:-1]
+                for j, c, p, x in zip(batch, counts.tolist(), np.split(pos[:k].copy(), ends),
+                                      np.split(xor[:k].copy(), ends)):
+                    out[j] = Changes(p, x) if c >= 0 else (None if c == -1 else False)
+                batch, total = [], 0
+            if i is not None:
+                batch.append(i)
+                total += caps
+    return out

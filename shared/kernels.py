@@ -10,6 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
+from numba.extending import intrinsic
 
 
 @numba.njit(cache=True, nogil=True)
@@ -126,6 +127,54 @@ def scan_cast_bf16(live, old, out_pos, out_xor, offset, update):  # pragma: no c
                 old[i] = c
             k += 1
             m &= m - np.uint64(1)
+    return k
+
+
+@intrinsic
+def address_as(typingctx, address, like):  # pragma: no cover - a numba intrinsic
+    """A pointer to elements of ``like``'s type at the integer ``address`` (a tensor's
+    ``data_ptr()``): how one kernel call reaches many tensors that are not one array."""
+    signature = numba.types.CPointer(like.dtype)(address, like)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return signature, codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def scan_many(table, old_like, new_like, chunk, max_fraction, out_pos, out_xor, counts, update, cast):  # pragma: no cover
+    """:func:`scan_changes` (``cast``: :func:`scan_cast_bf16`) of many tensors in one call, tensor
+    ``k`` at ``table[k]`` = (address of its old bits, of its new bits, its element count), its
+    elements of ``old_like``'s and ``new_like``'s types. Each chunk of ``chunk`` elements may hold
+    at most ``int(len * max_fraction) + 1`` changes (the dense-change rule of
+    ``shared.changes``). Tensor ``k``'s changes land right after tensor ``k - 1``'s, and
+    ``counts[k]`` is their number, or -1 when a chunk is over its cap, -2 (``cast``) at a NaN or
+    subnormal; then its refresh has been taken back. The outputs must hold the sum of every
+    chunk's cap. Returns the number of changes recorded."""
+    k = 0
+    for t in range(table.shape[0]):
+        n = table[t, 2]
+        old = numba.carray(address_as(table[t, 0], old_like), n)
+        new = numba.carray(address_as(table[t, 1], new_like), n)
+        start = k
+        counts[t] = 0
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            cap = int((e - s) * max_fraction) + 1
+            if cast:
+                r = scan_cast_bf16(new[s:e], old[s:e], out_pos[k:k + cap], out_xor[k:k + cap], s, update)
+            else:
+                r = scan_changes(old[s:e], new[s:e], out_pos[k:k + cap], out_xor[k:k + cap], s, update)
+            if r < 0 or r > cap:  # the chunk took back its own refresh; the tensor's earlier ones
+                if update:
+                    xor_scatter(old, out_pos[start:k], out_xor[start:k], 0)
+                counts[t] = -2 if r < 0 else -1
+                k = start
+                break
+            k += r
+        if counts[t] == 0:
+            counts[t] = k - start
     return k
 
 

@@ -38,9 +38,10 @@ from .changes import (
     INT_VIEW,
     THREADS_FROM_CHANGES,
     Changes,
-    find_cast_changes,
     find_changes,
+    find_changes_many,
     map_balanced,
+    map_batches,
     unsigned_view,
 )
 from .checkpoint import module_state
@@ -274,7 +275,7 @@ class DeltaPublisher:
         sizes = [self._snapshot[n].numel() * self._snapshot[n].element_size() for n in names]
         with torch.no_grad():
             if self.detect == "numba" or (self.detect == "auto" and all(t.device.type == "cpu" for t in live.values())):
-                found = map_balanced(lambda n: self._detect_host(n, live[n]), names, sizes)
+                found = map_batches(lambda batch: self._detect_host(batch, live), names, sizes)
             else:
                 found = map_balanced(lambda n: self._encode_where(n, live[n]), names, sizes)
         changed = sum(f.entry.changed if isinstance(f, EncodedTensor) else f.count for f in found)
@@ -353,17 +354,29 @@ class DeltaPublisher:
             t = t.to(self.dtype)
         return (t.cpu() if host else t).contiguous()
 
-    def _detect_host(self, name: str, live: torch.Tensor) -> EncodedTensor | Changes | DenseChange:
-        """One host tensor's change against the snapshot, which it refreshes in place. fp32
-        weights published as bf16 are cast inside the compare where that is exact."""
-        snap = self._snapshot[name]
-        if self.dtype == torch.bfloat16 and live.dtype == torch.float32:
-            found = find_cast_changes(snap, live, update=True)
-            if found is not None and found is not False:
-                if found.count:
-                    return found
-                return EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape),
-                                                 digest=self._digests[name]), {})
+    def _detect_host(self, names: list[str], live: Mapping[str, torch.Tensor]) -> list[EncodedTensor | Changes | DenseChange]:
+        """Host tensors' changes against the snapshot, which they refresh in place: the host
+        tensors that need no cast, and fp32 weights published as bf16 (the cast inside the
+        compare), in one kernel call each; the rest (another dtype or layout, NaN weights, a
+        dense change) one by one."""
+        cast = self.dtype == torch.bfloat16
+        fused = [n for n in names if cast and live[n].dtype == torch.float32]
+        plain = [n for n in names if live[n].dtype == self._snapshot[n].dtype]
+        found = dict(zip(fused, find_changes_many([(self._snapshot[n], live[n]) for n in fused], update=True,
+                                                  cast=True)))
+        found.update(zip(plain, find_changes_many([(self._snapshot[n], live[n].detach()) for n in plain],
+                                                  update=True)))
+        return [self._detected(n, found.get(n, False), live[n]) for n in names]
+
+    def _detected(self, name: str, changes: Changes | None | bool, live: torch.Tensor) -> EncodedTensor | Changes | DenseChange:
+        """What :meth:`_detect_host` found for one tensor; with no result (False, None) the
+        one-tensor path, which casts with torch where needed and sends a dense change."""
+        if changes is not None and changes is not False:
+            if changes.count:
+                return changes
+            snap = self._snapshot[name]
+            return EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape),
+                                             digest=self._digests[name]), {})
         return detect_tensor(name, self._snapshot[name], self._cast_reused(name, live), update=True,
                              threads=False, same_digest=self._digests[name])
 

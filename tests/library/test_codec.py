@@ -453,3 +453,53 @@ def test_batched_decode_equals_one_tensor_at_a_time(seed, fraction, damage):
     name = key.split("::")[0]
     batched = _outcome(lambda: delta.decode([name])[0])
     assert batched == _outcome(lambda: delta.change(name))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6), seed=st.integers(0, 2**16),
+       fractions=st.lists(st.sampled_from([0.0, 0.001, 0.02, 0.3]), min_size=6, max_size=6),
+       max_changes=st.sampled_from([None, 1, 200]), update=st.booleans())
+def test_find_changes_many_is_find_changes_per_tensor(sizes, seed, fractions, max_changes, update):
+    """One kernel call for many tensors (both widths, one of them dense, calls split by
+    ``max_changes``) gives per tensor what ``find_changes`` gives, and refreshes exactly the
+    tensors that were not dense; a tensor whose caps alone exceed ``max_changes`` is left to the
+    one-tensor path (False), untouched."""
+    from shared.changes import _cap_total, find_changes, find_changes_many
+
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for i, (n, fraction) in enumerate(zip(sizes, fractions)):
+        dtype = (torch.bfloat16, torch.float32)[i % 2]
+        base = torch.randn(n, generator=g).to(dtype)
+        new = base.clone()
+        bits = new.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        bits[torch.randperm(n, generator=g)[:int(n * fraction)]] ^= 1 << (seed % 15)
+        pairs.append((base, new))
+    expect_old = [old.clone() for old, _ in pairs]
+    expect = [find_changes(old, new, update=update, threads=False) for old, (_, new) in zip(expect_old, pairs)]
+    got = find_changes_many(pairs, update=update, max_changes=max_changes)
+    for (old, new), e, r, after in zip(pairs, expect, got, expect_old):
+        if max_changes is not None and _cap_total(old.numel(), 1 / 16) > max_changes:
+            assert r is False
+            continue
+        if e is None:
+            assert r is None
+        else:
+            assert r.positions.tolist() == e.positions.tolist()
+            assert r.xor.tolist() == e.xor.tolist() and r.xor.dtype == e.xor.dtype
+        assert torch.equal(old.view(torch.uint8), after.view(torch.uint8))
+
+
+def test_find_changes_many_leaves_what_it_does_not_take_to_the_one_tensor_path():
+    from shared.changes import find_changes_many
+
+    old = torch.zeros(8, dtype=torch.bfloat16)
+    cases = [(old, torch.ones(8, dtype=torch.float32)),  # two dtypes (no cast asked)
+             (old, torch.ones(16, dtype=torch.bfloat16)[::2]),  # not contiguous
+             (old, torch.ones(4, dtype=torch.bfloat16)),  # another shape
+             (torch.zeros(8, dtype=torch.int64), torch.ones(8, dtype=torch.int64))]  # no bit view
+    assert find_changes_many(cases, update=True) == [False] * 4
+    assert torch.count_nonzero(old) == 0
+    nan = torch.tensor([1.0, float("nan")])
+    snap = torch.zeros(2, dtype=torch.bfloat16)
+    assert find_changes_many([(snap, nan), (snap, torch.ones(2, dtype=torch.bfloat16))], cast=True) == [False, False]
