@@ -502,19 +502,6 @@ def _gather_kernel(table, bounds, width, dest, old, new, out):  # pragma: no cov
     return -1
 
 
-def _address(typingctx, address, like):  # pragma: no cover - a numba intrinsic, built in _kernels()
-    """A pointer to elements of ``like``'s type at the integer ``address`` (a tensor's
-    ``data_ptr()``): how one kernel call reaches many tensors that are not one array."""
-    from numba.core import types
-
-    signature = types.CPointer(like.dtype)(address, like)
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-    return signature, codegen
-
-
 _KERNELS = None
 _KERNELS_LOCK = threading.Lock()
 
@@ -529,11 +516,12 @@ def _kernels():
     with _KERNELS_LOCK:
         if _KERNELS is None:
             import numba
-            from numba.extending import intrinsic
+
+            from .kernels import address_as
 
             _nb_mix = numba.njit(inline="always")(_mix)
             _nb_lanes_into = numba.njit(inline="always")(_lanes_into)
-            _nb_address, _nb_carray = intrinsic(_address), numba.carray
+            _nb_address, _nb_carray = address_as, numba.carray
             jit = numba.njit(cache=True, nogil=True)
             _KERNELS = {"range": jit(_range_kernel), "delta": jit(_delta_kernel),
                         "gather": jit(_gather_kernel)}
