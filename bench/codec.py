@@ -7,7 +7,9 @@ a fresh process so its peak memory is its own. Medians over the steps after Adam
 
 The encode speed that matters is the time ``DeltaPublisher.publish()`` holds the training loop,
 measured for a bf16 model and, separately, for fp32 master weights (the cast to bf16 included),
-each against a memcpy of the bf16 model's bytes. The encoder thread's time after it (digests
+each against a memcpy of the bf16 model's bytes, and beside them the read floor: reading the
+snapshot and the new weights once each, which any compare must do ("memcpy/read": the best
+``memcpy/publish`` this machine allows). The encoder thread's time after it (digests
 of the touched tensors, fingerprints in O(changes), entropy coding, the delta file) is reported
 beside it: it runs while the next step trains, but it is CPU the trainer's host spends per version.
 "same, digests at anchors" is that for ``DeltaPublisher(digests="anchors")``, which hashes no
@@ -33,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from bench.common import RESULTS, int32_bf16_bytes, median_time, memcpy_seconds, write_json
+from bench.common import RESULTS, int32_bf16_bytes, median_time, memcpy_seconds, read_seconds, write_json
 
 
 @dataclass
@@ -143,6 +145,8 @@ def run_case(case: Case) -> dict:
         assert sum(p.numel() for p in positions.values()) == changed
         trl_bytes = int32_bf16_bytes(positions, new)
         copy_s = memcpy_seconds(new)
+        # the least a compare costs: reading the snapshot and the new weights once each
+        read_bf16_s, read_fp32_s = read_seconds(base, new), read_seconds(base, live)
         # the compact coding (positions per exponent class), same change
         t0 = time.perf_counter()
         compact_enc = encode_state(base, new, compact=True, digests=digests)
@@ -186,6 +190,8 @@ def run_case(case: Case) -> dict:
             "encode_vs_memcpy": copy_s / encode_s, "digest_GBps": dense / digest_s / 1e9,
             "publish_bf16_s": hold["bf16"], "publish_fp32_s": hold["fp32"], "memcpy_s": copy_s,
             "publish_bf16_vs_memcpy": copy_s / hold["bf16"], "publish_fp32_vs_memcpy": copy_s / hold["fp32"],
+            "read_bf16_s": read_bf16_s, "read_fp32_s": read_fp32_s,
+            "read_bf16_vs_memcpy": copy_s / read_bf16_s, "read_fp32_vs_memcpy": copy_s / read_fp32_s,
             "encoder_bf16_s": behind["bf16"], "encoder_fp32_s": behind["fp32"],
             "encoder_bf16_anchors_s": behind["bf16_anchors"],
             "apply_s": apply_s, "dense_load_s": dense_s, "index_copy_s": floor_s,
@@ -234,6 +240,7 @@ def report(results: list[dict]) -> None:
                         "index_copy_")
     for col in ["case", "encode GB/s", "memcpy GB/s", "encode/memcpy", "publish bf16 ms", "publish fp32 ms",
                 "encoder thread bf16 ms", "same, digests at anchors", "memcpy/publish bf16", "memcpy/publish fp32",
+                "memcpy/read bf16", "memcpy/read fp32",
                 "digest GB/s", "apply ms",
                 "dense load ms", "index_copy_ ms", "apply/index_copy_", "apply/dense",
                 "compact encode GB/s", "compact apply ms", "peak RSS MB"]:
@@ -250,7 +257,8 @@ def report(results: list[dict]) -> None:
                       f"{m['publish_fp32_s'] * 1e3:.1f}", f"{m['encoder_bf16_s'] * 1e3:.1f}",
                       f"{m['encoder_bf16_anchors_s'] * 1e3:.1f}",
                       f"{m['publish_bf16_vs_memcpy']:.2f}x",
-                      f"{m['publish_fp32_vs_memcpy']:.2f}x", f"{m['digest_GBps']:.1f}",
+                      f"{m['publish_fp32_vs_memcpy']:.2f}x", f"{m['read_bf16_vs_memcpy']:.2f}x",
+                      f"{m['read_fp32_vs_memcpy']:.2f}x", f"{m['digest_GBps']:.1f}",
                       f"{m['apply_s'] * 1e3:.1f}", f"{m['dense_load_s'] * 1e3:.1f}",
                       f"{m['index_copy_s'] * 1e3:.1f}", f"{m['apply_s'] / m['index_copy_s']:.1f}x",
                       f"{m['apply_s'] / m['dense_load_s']:.2f}x", f"{m['compact_encode_GBps']:.2f}",

@@ -46,6 +46,37 @@ def memcpy_seconds(state: Mapping[str, torch.Tensor], reps: int = 5) -> float:
     return median_time(copy, reps, device)
 
 
+_OR_WORDS = None  # compiled on first use: numba must not load before a vLLM engine starts
+
+
+def read_seconds(*states: Mapping[str, torch.Tensor], reps: int = 5) -> float:
+    """Time to read every tensor of ``states`` once (an OR of its 64-bit words, on the tensor
+    threads): the least a compare of a snapshot with new weights costs. Where reads are no
+    faster than copies (this machine), that is more than a memcpy of one of them."""
+    global _OR_WORDS
+    import numba
+    import numpy as np
+
+    from shared.changes import map_balanced
+
+    if _OR_WORDS is None:
+        def or_words(x):  # pragma: no cover - compiled by numba
+            acc = np.uint64(0)
+            for i in range(x.shape[0]):
+                acc |= x[i]
+            return acc
+
+        _OR_WORDS = numba.njit(nogil=True)(or_words)
+    arrays = []
+    for state in states:
+        for t in state.values():
+            raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+            arrays.append(raw[: raw.shape[0] // 8 * 8].view(np.uint64))
+    read = lambda: map_balanced(_OR_WORDS, arrays, [x.shape[0] for x in arrays])  # noqa: E731
+    read()
+    return median_time(read, reps)
+
+
 def int32_bf16_bytes(positions: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> int:
     """Size of the TRL prototype's format (int32 indices + values) for the same change."""
     import safetensors.torch
