@@ -384,6 +384,18 @@ class DenseChange:
     count: int
 
 
+def dense_change(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
+                 out: np.ndarray | None = None) -> DenseChange:
+    """The :class:`DenseChange` of two contiguous tensors of one bit-view dtype, in one pass
+    that also refreshes ``old`` (``update``); ``out``: a buffer of the XOR's size to reuse."""
+    from .kernels import xor_refresh
+
+    o, n = unsigned_view(old), unsigned_view(new)
+    if out is None:
+        out = np.empty_like(o)
+    return DenseChange(out, int(xor_refresh(o, n, out, update)))
+
+
 def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
                   digest: str | None = None, fingerprint: str | None = None,
                   base_fingerprint: Fingerprint | None = None, threads: bool = True,
@@ -432,10 +444,7 @@ def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
         return EncodedTensor(entry().model_copy(update={"encoding": "full", "changed": changed}), {name: new.clone()})
     changes = find_changes(old, new, update=update, threads=threads)
     if changes is None:  # dense change: send every element
-        xor = unsigned_view(old) ^ unsigned_view(new)
-        if update:
-            old.copy_(new)
-        return DenseChange(xor, int(np.count_nonzero(xor)))
+        return dense_change(old, new, update=update)
     if changes.count == 0:
         if same_digest is not None and digest is None:
             digest = same_digest

@@ -67,6 +67,21 @@ def scan_changes(old, new, out_pos, out_xor, offset, update):  # pragma: no cove
     return k
 
 
+@numba.njit(cache=True, nogil=True)
+def xor_refresh(old, new, out, update):  # pragma: no cover
+    """``out = old ^ new`` and, with ``update``, ``old = new``, in one pass: a dense change's
+    XOR and the snapshot's refresh (separate numpy and torch passes read both twice more).
+    Returns the number of elements that differ."""
+    k = 0
+    for i in range(old.shape[0]):
+        x = old[i] ^ new[i]
+        out[i] = x
+        k += x != 0
+        if update:
+            old[i] = new[i]
+    return k
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _bf16_bits(u):  # pragma: no cover
     """fp32 bits to bf16 bits, rounding to nearest even (exact where ``_not_cast`` is 0)."""

@@ -37,6 +37,7 @@ from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_fo
 from .changes import (
     INT_VIEW,
     THREADS_FROM_CHANGES,
+    UNSIGNED_NP,
     Changes,
     find_changes,
     find_changes_many,
@@ -52,6 +53,7 @@ from .codec import (
     TensorEntry,
     anchor_header,
     build_delta,
+    dense_change,
     detect_tensor,
     encode_changes,
     encode_found,
@@ -222,6 +224,7 @@ class DeltaPublisher:
         self._snapshot = {n: self._cast(t).clone() for n, t in self._live().items()}
         self._device_snapshot: dict[str, torch.Tensor] = {}  # name -> bf16 copy where the weights live
         self._cast_buffers: dict[str, torch.Tensor] = {}  # name -> bf16 cast of fp32 host weights
+        self._xor_buffers: dict[str, np.ndarray] = {}  # name -> its last dense change's XOR
         self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
         self._fingerprints = fingerprints_of(self._snapshot)  # then kept up to date in O(changes)
         self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
@@ -369,12 +372,19 @@ class DeltaPublisher:
         return [self._detected(n, found.get(n, False), live[n]) for n in names]
 
     def _detected(self, name: str, changes: Changes | None | bool, live: torch.Tensor) -> EncodedTensor | Changes | DenseChange:
-        """What :meth:`_detect_host` found for one tensor; with no result (False, None) the
-        one-tensor path, which casts with torch where needed and sends a dense change."""
-        if changes is not None and changes is not False:
+        """What :meth:`_detect_host` found for one tensor: its changes, its dense change (None:
+        one more pass), or with no result (False) the one-tensor path, which casts with torch
+        where needed."""
+        snap = self._snapshot[name]
+        if changes is None:  # dense: the XOR into a buffer kept per tensor (the encoder is done with
+            # it before the next publish() detects; a fresh one costs a page fault per 4 KiB)
+            buf = self._xor_buffers.get(name)
+            if buf is None:
+                buf = self._xor_buffers[name] = np.empty(snap.numel(), UNSIGNED_NP[INT_VIEW[snap.dtype]])
+            return dense_change(snap, self._cast_reused(name, live), update=True, out=buf)
+        if changes is not False:
             if changes.count:
                 return changes
-            snap = self._snapshot[name]
             return EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape),
                                              digest=self._digests[name]), {})
         return detect_tensor(name, self._snapshot[name], self._cast_reused(name, live), update=True,

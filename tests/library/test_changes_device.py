@@ -157,7 +157,8 @@ def assert_same_chains(tmp_path, pubs: dict[str, DeltaPublisher], versions: int)
 
 
 def test_publisher_torch_path_mixed_state(tmp_path):
-    """bf16 and f32 tensors with sparse changes and specials, a dense change, an integer buffer."""
+    """bf16 and f32 tensors with sparse changes and specials, a dense change two versions in a
+    row (the publisher reuses its XOR buffer), an integer buffer."""
     live = bits_state(11, {"a.weight": ((300, 64), torch.bfloat16), "b.weight": ((2000,), torch.float32),
                            "c.norm": ((64,), torch.bfloat16)})
     live["d.steps"] = torch.arange(10, dtype=torch.int64)
@@ -166,8 +167,8 @@ def test_publisher_torch_path_mixed_state(tmp_path):
         for i in range(5):
             for n in ("a.weight", "b.weight"):
                 live[n].copy_(sparse_change(live[n], 0.01, seed=100 + i))
-            if i == 2:
-                live["c.norm"].copy_(perturb({"c": live["c.norm"]}, 0.5, seed=7)["c"])  # dense
+            if i in (2, 3):
+                live["c.norm"].copy_(perturb({"c": live["c.norm"]}, 0.5, seed=7 + i)["c"])  # dense
             if i == 3:
                 live["d.steps"] += 1
             yield
