@@ -3,9 +3,10 @@
 Two backends with identical results. On the host, one fused pass over blocks of 64 elements
 (numba, GIL released so tensors run on all cores): compare, record the position and XOR of each
 changed element, and optionally refresh the old snapshot in place. Writing only the changed
-elements keeps the snapshot update nearly free at ~1% change. Where the weights live on an accelerator, torch
-ops on that device do the same (compare 16/32-bit views, ``nonzero``, ``index_copy_``) and only
-the positions and XORs cross to the host: a few bytes per changed element instead of the model.
+elements keeps the snapshot update nearly free at ~1% change. Where the weights live on an
+accelerator, torch ops on that device do the same (compare 16/32-bit views, ``nonzero``,
+``index_copy_``) and only the positions and XORs cross to the host: a few bytes per changed
+element instead of the model.
 """
 
 from __future__ import annotations

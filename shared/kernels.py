@@ -158,7 +158,8 @@ def address_as(typingctx, address, like):  # pragma: no cover - a numba intrinsi
 
 
 @numba.njit(cache=True, nogil=True)
-def scan_many(table, old_like, new_like, chunk, max_fraction, out_pos, out_xor, counts, update, cast):  # pragma: no cover
+def scan_many(table, old_like, new_like, chunk, max_fraction, out_pos, out_xor, counts, update,
+              cast):  # pragma: no cover
     """:func:`scan_changes` (``cast``: :func:`scan_cast_bf16`) of many tensors in one call, tensor
     ``k`` at ``table[k]`` = (address of its old bits, of its new bits, its element count), its
     elements of ``old_like``'s and ``new_like``'s types. Each chunk of ``chunk`` elements may hold

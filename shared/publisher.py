@@ -357,7 +357,8 @@ class DeltaPublisher:
             t = t.to(self.dtype)
         return (t.cpu() if host else t).contiguous()
 
-    def _detect_host(self, names: list[str], live: Mapping[str, torch.Tensor]) -> list[EncodedTensor | Changes | DenseChange]:
+    def _detect_host(self, names: list[str],
+                     live: Mapping[str, torch.Tensor]) -> list[EncodedTensor | Changes | DenseChange]:
         """Host tensors' changes against the snapshot, which they refresh in place: the host
         tensors that need no cast, and fp32 weights published as bf16 (the cast inside the
         compare), in one kernel call each; the rest (another dtype or layout, NaN weights, a
@@ -371,7 +372,8 @@ class DeltaPublisher:
                                                   update=True)))
         return [self._detected(n, found.get(n, False), live[n]) for n in names]
 
-    def _detected(self, name: str, changes: Changes | None | bool, live: torch.Tensor) -> EncodedTensor | Changes | DenseChange:
+    def _detected(self, name: str, changes: Changes | None | bool,
+                  live: torch.Tensor) -> EncodedTensor | Changes | DenseChange:
         """What :meth:`_detect_host` found for one tensor: its changes, its dense change (None:
         one more pass), or with no result (False) the one-tensor path, which casts with torch
         where needed."""
