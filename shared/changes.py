@@ -274,7 +274,7 @@ def find_changes_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, upd
             caps = _cap_total(old.numel(), max_fraction)
             if max_changes is None or caps <= max_changes:
                 groups.setdefault(old.element_size(), []).append((i, caps))
-    for size, members in groups.items():
+    for members in groups.values():
         u = np.dtype(UNSIGNED_NP[INT_VIEW[pairs[members[0][0]][0].dtype]])
         like_old, like_new = np.empty(0, u), np.empty(0, np.uint32 if cast else u)
         batch, total = [], 0

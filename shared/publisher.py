@@ -368,7 +368,7 @@ class DeltaPublisher:
         plain = [n for n in names if live[n].dtype == self._snapshot[n].dtype]
         found = dict(zip(fused, find_changes_many([(self._snapshot[n], live[n]) for n in fused], update=True,
                                                   cast=True)))
-        found.update(zip(plain, find_changes_many([(self._snapshot[n], live[n].detach()) for n in plain],
+        found.update(zip(plain, find_changes_many([(self._snapshot[n], live[n]) for n in plain],
                                                   update=True)))
         return [self._detected(n, found.get(n, False), live[n]) for n in names]
 
