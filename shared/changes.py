@@ -164,6 +164,18 @@ def _chunks(numel: int, max_fraction: float) -> list[tuple[int, int, int]]:
             for s in range(0, numel, CHUNK_ELEMENTS)]
 
 
+def breaks_dense_rule(xor: np.ndarray, count: int, max_fraction: float = 1 / 16) -> bool:
+    """Whether a change known by its whole XOR (``count`` elements nonzero) is dense by
+    :func:`find_changes`' rule (some chunk over ``max_fraction`` changed); chunks are counted
+    only where the total cannot tell."""
+    chunks = _chunks(xor.shape[0], max_fraction)
+    if not chunks or count <= min(cap for _, _, cap in chunks):
+        return False
+    if count > sum(cap for _, _, cap in chunks):
+        return True
+    return any(np.count_nonzero(xor[start:stop]) > cap for start, stop, cap in chunks)
+
+
 def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
                  max_fraction: float = 1 / 16, threads: bool = True, backend: str = "auto") -> Changes | None:
     """Positions and XOR of the elements whose bits differ.
@@ -251,6 +263,15 @@ def _cap_total(numel: int, max_fraction: float) -> int:
     return full * (int(CHUNK_ELEMENTS * max_fraction) + 1) + (int(rest * max_fraction) + 1 if rest else 0)
 
 
+def scannable(old: torch.Tensor, new: torch.Tensor, cast: bool = False) -> bool:
+    """Whether :func:`find_changes_many` takes the pair (with ``cast``: a bf16 snapshot of fp32
+    weights): host tensors, contiguous, of one shape, of a dtype whose bits it compares."""
+    kind = (old.dtype == torch.bfloat16 and new.dtype == torch.float32) if cast else \
+        (old.dtype == new.dtype and old.dtype in INT_VIEW)
+    return kind and old.is_cpu and new.is_cpu and old.is_contiguous() and new.is_contiguous() \
+        and old.shape == new.shape
+
+
 def find_changes_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, update: bool = False,
                       max_fraction: float = 1 / 16, cast: bool = False,
                       max_changes: int | None = BATCH_CHANGES) -> list[Changes | None | bool]:
@@ -267,10 +288,7 @@ def find_changes_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, upd
     out: list[Changes | None | bool] = [False] * len(pairs)
     groups: dict[int, list[tuple[int, int]]] = {}  # element size -> (pair, its caps' sum)
     for i, (old, new) in enumerate(pairs):
-        kind = (old.dtype == torch.bfloat16 and new.dtype == torch.float32) if cast else \
-            (old.dtype == new.dtype and old.dtype in INT_VIEW)
-        if kind and old.is_cpu and new.is_cpu and old.is_contiguous() and new.is_contiguous() \
-                and old.shape == new.shape:
+        if scannable(old, new, cast):
             caps = _cap_total(old.numel(), max_fraction)
             if max_changes is None or caps <= max_changes:
                 groups.setdefault(old.element_size(), []).append((i, caps))

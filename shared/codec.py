@@ -56,7 +56,8 @@ import safetensors.torch
 import torch
 from pydantic import BaseModel, ValidationError
 
-from .changes import INT_VIEW, SIGNED_NP, UNSIGNED_NP, Changes, find_changes, map_balanced, unsigned_view
+from .changes import (INT_VIEW, SIGNED_NP, UNSIGNED_NP, Changes, breaks_dense_rule, find_changes, map_balanced,
+                      unsigned_view)
 from .entropy import (
     ALPHABET,
     decode_ints_into,
@@ -394,6 +395,18 @@ def dense_change(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
     if out is None:
         out = np.empty_like(o)
     return DenseChange(out, int(xor_refresh(o, n, out, update)))
+
+
+def dense_change_again(old: torch.Tensor, new: torch.Tensor, out: np.ndarray) -> DenseChange | Changes:
+    """The change of a tensor that changed densely last version (a trainer's first Adam steps,
+    a high learning rate), whose scan would most likely stop at its cap and be taken back: the
+    dense pass at once, refreshing ``old``, and if the change is not dense after all the
+    :class:`Changes` a scan would have found, from the XOR (a pass over half the bytes)."""
+    dense = dense_change(old, new, update=True, out=out)
+    if breaks_dense_rule(dense.xor, dense.count):
+        return dense
+    positions = np.flatnonzero(dense.xor)
+    return Changes(positions, dense.xor[positions])
 
 
 def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,

@@ -43,6 +43,7 @@ from .changes import (
     find_changes_many,
     map_balanced,
     map_batches,
+    scannable,
     unsigned_view,
 )
 from .checkpoint import module_state
@@ -54,6 +55,7 @@ from .codec import (
     anchor_header,
     build_delta,
     dense_change,
+    dense_change_again,
     detect_tensor,
     encode_changes,
     encode_found,
@@ -224,7 +226,7 @@ class DeltaPublisher:
         self._snapshot = {n: self._cast(t).clone() for n, t in self._live().items()}
         self._device_snapshot: dict[str, torch.Tensor] = {}  # name -> bf16 copy where the weights live
         self._cast_buffers: dict[str, torch.Tensor] = {}  # name -> bf16 cast of fp32 host weights
-        self._xor_buffers: dict[str, np.ndarray] = {}  # name -> its last dense change's XOR
+        self._xor_buffers: dict[str, np.ndarray] = {}  # name -> its XOR, while it changes densely
         self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
         self._fingerprints = fingerprints_of(self._snapshot)  # then kept up to date in O(changes)
         self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
@@ -279,6 +281,9 @@ class DeltaPublisher:
         with torch.no_grad():
             if self.detect == "numba" or (self.detect == "auto" and all(t.device.type == "cpu" for t in live.values())):
                 found = map_batches(lambda batch: self._detect_host(batch, live), names, sizes)
+                for n, f in zip(names, found):  # buffers only for what is dense now: the next guess
+                    if not isinstance(f, DenseChange):
+                        self._xor_buffers.pop(n, None)
             else:
                 found = map_balanced(lambda n: self._encode_where(n, live[n]), names, sizes)
         changed = sum(f.entry.changed if isinstance(f, EncodedTensor) else f.count for f in found)
@@ -362,14 +367,19 @@ class DeltaPublisher:
         """Host tensors' changes against the snapshot, which they refresh in place: the host
         tensors that need no cast, and fp32 weights published as bf16 (the cast inside the
         compare), in one kernel call each; the rest (another dtype or layout, NaN weights, a
-        dense change) one by one."""
+        dense change) one by one. A tensor that changed densely last version (it has an XOR
+        buffer) goes to the dense pass without a scan."""
         cast = self.dtype == torch.bfloat16
-        fused = [n for n in names if cast and live[n].dtype == torch.float32]
-        plain = [n for n in names if live[n].dtype == self._snapshot[n].dtype]
+        fused = {n for n in names if cast and live[n].dtype == torch.float32}
+        again = {n for n in names if n in self._xor_buffers and scannable(self._snapshot[n], live[n], n in fused)}
+        fused = [n for n in names if n in fused and n not in again]
+        plain = [n for n in names if live[n].dtype == self._snapshot[n].dtype and n not in again]
         found = dict(zip(fused, find_changes_many([(self._snapshot[n], live[n]) for n in fused], update=True,
                                                   cast=True)))
         found.update(zip(plain, find_changes_many([(self._snapshot[n], live[n]) for n in plain],
                                                   update=True)))
+        found.update((n, dense_change_again(self._snapshot[n], self._cast_reused(n, live[n]), self._xor_buffers[n]))
+                     for n in again)
         return [self._detected(n, found.get(n, False), live[n]) for n in names]
 
     def _detected(self, name: str, changes: Changes | None | bool,
@@ -378,6 +388,8 @@ class DeltaPublisher:
         one more pass), or with no result (False) the one-tensor path, which casts with torch
         where needed."""
         snap = self._snapshot[name]
+        if isinstance(changes, DenseChange):
+            return changes
         if changes is None:  # dense: the XOR into a buffer kept per tensor (the encoder is done with
             # it before the next publish() detects; a fresh one costs a page fault per 4 KiB)
             buf = self._xor_buffers.get(name)

@@ -157,10 +157,11 @@ def assert_same_chains(tmp_path, pubs: dict[str, DeltaPublisher], versions: int)
 
 
 def test_publisher_torch_path_mixed_state(tmp_path):
-    """bf16 and f32 tensors with sparse changes and specials, a dense change two versions in a
-    row (the publisher reuses its XOR buffer), an integer buffer."""
+    """bf16 and f32 tensors with sparse changes and specials, dense changes two versions in a
+    row (the publisher then skips the scan and reuses its XOR buffer), followed by no change or
+    a sparse one, an integer buffer."""
     live = bits_state(11, {"a.weight": ((300, 64), torch.bfloat16), "b.weight": ((2000,), torch.float32),
-                           "c.norm": ((64,), torch.bfloat16)})
+                           "c.norm": ((64,), torch.bfloat16), "e.weight": ((300, 64), torch.bfloat16)})
     live["d.steps"] = torch.arange(10, dtype=torch.int64)
 
     def steps():
@@ -168,7 +169,11 @@ def test_publisher_torch_path_mixed_state(tmp_path):
             for n in ("a.weight", "b.weight"):
                 live[n].copy_(sparse_change(live[n], 0.01, seed=100 + i))
             if i in (2, 3):
-                live["c.norm"].copy_(perturb({"c": live["c.norm"]}, 0.5, seed=7 + i)["c"])  # dense
+                live["c.norm"].copy_(perturb({"c": live["c.norm"]}, 0.5, seed=7 + i)["c"])  # dense, then none
+            if i in (1, 2):
+                live["e.weight"].copy_(perturb({"e": live["e.weight"]}, 0.5, seed=20 + i)["e"])  # dense
+            if i == 3:
+                live["e.weight"].copy_(sparse_change(live["e.weight"], 0.01, seed=30))  # then sparse
             if i == 3:
                 live["d.steps"] += 1
             yield
@@ -180,6 +185,7 @@ def test_publisher_torch_path_mixed_state(tmp_path):
         assert same_bits(state, s) and header.state_digest == state_digest(s)
     assert pubs["torch"]._device_snapshot.keys() == live.keys()
     assert same_bits(pubs["torch"]._device_snapshot, live) and same_bits(pubs["torch"]._snapshot, live)
+    assert not pubs["numba"]._xor_buffers  # held only while a tensor changes densely
 
 
 @pytest.mark.parametrize("compact", [False, True])

@@ -503,3 +503,41 @@ def test_find_changes_many_leaves_what_it_does_not_take_to_the_one_tensor_path()
     nan = torch.tensor([1.0, float("nan")])
     snap = torch.zeros(2, dtype=torch.bfloat16)
     assert find_changes_many([(snap, nan), (snap, torch.ones(2, dtype=torch.bfloat16))], cast=True) == [False, False]
+
+
+def _with_changes(base: np.ndarray, per_chunk: list[float], seed: int) -> np.ndarray:
+    """``base`` with the given fraction of each CHUNK_ELEMENTS chunk's elements flipped."""
+    from shared.changes import CHUNK_ELEMENTS
+
+    rng = np.random.default_rng(seed)
+    new = base.copy()
+    for c, fraction in enumerate(per_chunk):
+        start = c * CHUNK_ELEMENTS
+        size = min(CHUNK_ELEMENTS, base.shape[0] - start)
+        at = start + rng.choice(size, int(size * fraction), replace=False)
+        new[at] ^= rng.integers(1, 1 << 16, at.shape[0], dtype=np.uint16)
+    return new
+
+
+@pytest.mark.parametrize("per_chunk", [[0.0, 0.0], [0.001, 0.01], [0.05, 0.05], [0.07, 0.01], [0.2, 0.2]],
+                         ids=["none", "sparse", "sparse-above-one-cap", "one-chunk-dense", "dense"])
+def test_dense_change_again_finds_what_a_scan_finds(per_chunk):
+    """Two chunks: the dense rule is per chunk, so a total between one chunk's cap and both caps'
+    sum must be counted per chunk (5% + 5% is sparse, 7% + 1% dense)."""
+    from shared.changes import CHUNK_ELEMENTS, find_changes
+    from shared.codec import DenseChange, dense_change_again
+
+    base = np.random.default_rng(1).integers(0, 1 << 16, 2 * CHUNK_ELEMENTS, dtype=np.uint16)
+    new = torch.from_numpy(_with_changes(base, per_chunk, seed=2).view(np.int16)).view(torch.bfloat16)
+    snapshot = torch.from_numpy(base.view(np.int16)).view(torch.bfloat16)
+    expected = find_changes(snapshot.clone(), new)
+    old = snapshot.clone()
+    got = dense_change_again(old, new, np.empty(base.shape[0], np.uint16))
+    assert torch.equal(old.view(torch.int16), new.view(torch.int16))  # refreshed either way
+    xor = base ^ new.view(torch.int16).numpy().view(np.uint16)
+    if expected is None:
+        assert isinstance(got, DenseChange) and got.count == np.count_nonzero(xor)
+        assert np.array_equal(got.xor, xor)
+    else:
+        assert np.array_equal(got.positions, expected.positions) and got.positions.dtype == np.int64
+        assert np.array_equal(got.xor, expected.xor) and got.xor.dtype == np.uint16
