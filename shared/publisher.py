@@ -225,7 +225,7 @@ class DeltaPublisher:
         self.reports: list[PublishReport] = []
         self._snapshot = {n: self._cast(t).clone() for n, t in self._live().items()}
         self._device_snapshot: dict[str, torch.Tensor] = {}  # name -> bf16 copy where the weights live
-        self._cast_buffers: dict[str, torch.Tensor] = {}  # name -> bf16 cast of fp32 host weights
+        self._cast_buffers: dict[str, torch.Tensor] = {}  # name -> bf16 cast of its fp32 host weights, while dense
         self._xor_buffers: dict[str, np.ndarray] = {}  # name -> its XOR, while it changes densely
         self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
         self._fingerprints = fingerprints_of(self._snapshot)  # then kept up to date in O(changes)
@@ -284,6 +284,7 @@ class DeltaPublisher:
                 for n, f in zip(names, found):  # buffers only for what is dense now: the next guess
                     if not isinstance(f, DenseChange):
                         self._xor_buffers.pop(n, None)
+                        self._cast_buffers.pop(n, None)
             else:
                 found = map_balanced(lambda n: self._encode_where(n, live[n]), names, sizes)
         changed = sum(f.entry.changed if isinstance(f, EncodedTensor) else f.count for f in found)
@@ -405,8 +406,9 @@ class DeltaPublisher:
                              threads=False, same_digest=self._digests[name])
 
     def _cast_reused(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``_cast`` into a buffer kept per tensor: a fresh model-sized cast every version costs a
-        page fault per 4 KiB (slow in a VM), and its bits are only compared, never kept."""
+        """``_cast`` into a buffer kept per tensor while it changes densely: a fresh tensor-sized
+        cast every version costs a page fault per 4 KiB (slow in a VM), and its bits are only
+        compared, never kept."""
         t = t.detach()
         if self.dtype is None or not t.is_floating_point() or t.dtype == self.dtype or t.device.type != "cpu":
             return self._cast(t)

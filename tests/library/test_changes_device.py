@@ -188,6 +188,31 @@ def test_publisher_torch_path_mixed_state(tmp_path):
     assert not pubs["numba"]._xor_buffers  # held only while a tensor changes densely
 
 
+def test_publisher_fp32_weights_dense_then_sparse(tmp_path):
+    """fp32 weights published as bf16 that change densely two versions in a row (the second
+    without a scan, through the publisher's cast and XOR buffers), then sparsely, then not at
+    all: the same chain as the torch path, every version exact, and no buffer left held."""
+    g = torch.Generator().manual_seed(12)
+    live = {"a.weight": torch.randn(300, 64, generator=g), "b.weight": torch.randn(2000, generator=g)}
+
+    def steps():  # finite normal weights: the fused cast takes them (NaNs would go the one-tensor way)
+        for fraction in [0.5, 0.5, 0.01, 0.0]:
+            for t in live.values():
+                at = torch.randperm(t.numel(), generator=g)[:int(t.numel() * fraction)]
+                t.view(-1)[at] = torch.randn(at.numel(), generator=g)
+            yield
+
+    states, pubs = lockstep(live, tmp_path, steps(), dtype=torch.bfloat16)
+    chain = assert_same_chains(tmp_path, pubs, versions=4)
+    numel = sum(t.numel() for t in live.values())
+    dense1, dense2, sparse, none = (r.changed for r in pubs["numba"].reports[1:])  # after the anchor
+    assert dense1 > numel / 3 and dense2 > numel / 3 and 0 < sparse < numel / 50 and none == 0
+    for v, s in enumerate(states):
+        state, _ = reconstruct(chain, v)
+        assert same_bits(state, {n: t.to(torch.bfloat16) for n, t in s.items()})
+    assert not pubs["numba"]._xor_buffers and not pubs["numba"]._cast_buffers
+
+
 @pytest.mark.parametrize("compact", [False, True])
 def test_publisher_torch_path_on_real_gradients(tiny_model_dir, tmp_path, compact):
     """fp32 master weights, bf16 versions: every version rebuilds exactly, same bytes as numba."""
