@@ -371,9 +371,9 @@ class DeltaPublisher:
         dense change) one by one. A tensor that changed densely last version (it has an XOR
         buffer) goes to the dense pass without a scan."""
         cast = self.dtype == torch.bfloat16
-        fused = {n for n in names if cast and live[n].dtype == torch.float32}
-        again = {n for n in names if n in self._xor_buffers and scannable(self._snapshot[n], live[n], n in fused)}
-        fused = [n for n in names if n in fused and n not in again]
+        to_cast = {n for n in names if cast and live[n].dtype == torch.float32}
+        again = {n for n in names if n in self._xor_buffers and scannable(self._snapshot[n], live[n], n in to_cast)}
+        fused = [n for n in names if n in to_cast and n not in again]
         plain = [n for n in names if live[n].dtype == self._snapshot[n].dtype and n not in again]
         found = dict(zip(fused, find_changes_many([(self._snapshot[n], live[n]) for n in fused], update=True,
                                                   cast=True)))
