@@ -454,7 +454,7 @@ def put_bits(out, n, acc, filled, bits, nbits):  # pragma: no cover
         return n, acc, filled + nbits
     for j in range(8):
         out[n + j] = (acc >> np.uint64(8 * j)) & np.uint64(0xFF)
-    spill = filled + nbits - 64  # the bits of ``bits`` that did not fit (0 < filled here if any)
+    spill = filled + nbits - 64  # bits of ``bits`` left over: spill > 0 needs filled > 0, so the shift is < 64
     return n + 8, (bits >> np.uint64(nbits - spill)) if spill > 0 else np.uint64(0), spill
 
 
