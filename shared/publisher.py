@@ -402,7 +402,7 @@ class DeltaPublisher:
                 return changes
             return EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape),
                                              digest=self._digests[name]), {})
-        return detect_tensor(name, self._snapshot[name], self._cast_reused(name, live), update=True,
+        return detect_tensor(name, snap, self._cast_reused(name, live), update=True,
                              threads=False, same_digest=self._digests[name])
 
     def _cast_reused(self, name: str, t: torch.Tensor) -> torch.Tensor:
