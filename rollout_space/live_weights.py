@@ -346,8 +346,11 @@ class LiveWeights:
         """Whether the fingerprint after the write follows from the held one and the pieces: the
         changed positions are listed and (``locate`` splits them between parameters, so the
         pieces never overlap) each lies in one piece."""
-        return bool(self.held.fingerprints.get(change.name)) and change.positions is not None and \
-            all(p.positions is not None for p in pieces) and \
+        if not self.held.fingerprints.get(change.name) or change.positions is None:
+            return False
+        if len(pieces) == 1 and pieces[0].positions is change.positions:  # one gathered run: the common case
+            return True
+        return all(p.positions is not None for p in pieces) and \
             sum(p.positions.numel() for p in pieces) == change.positions.numel()
 
     def _predict(self, header: Header, pending: list[tuple[str, list[Piece]]]) -> dict[str, tuple[str, str]]:

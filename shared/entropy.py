@@ -35,16 +35,20 @@ def zstd_compress(data) -> bytes:
     return _ZSTD.c.compress(data)
 
 
-def zstd_decompress(blob, size: int) -> bytes:
+def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_ZSTD, "d"):
         _ZSTD.d = zstandard.ZstdDecompressor()
+    return _ZSTD.d
+
+
+def zstd_decompress(blob, size: int) -> bytes:
     try:
         # a frame that declares its size is decompressed into that much memory whatever
         # max_output_size says: a damaged size field would ask for terabytes (MemoryError)
         declared = zstandard.frame_content_size(blob)
         if declared not in (-1, size):
             raise DeltaError("corrupt", f"zstd frame declares {declared} bytes, expected {size}")
-        out = _ZSTD.d.decompress(blob, max_output_size=size)
+        out = _decompressor().decompress(blob, max_output_size=size)
     except zstandard.ZstdError as e:
         raise DeltaError("corrupt", f"zstd: {e}") from None
     if len(out) != size:
@@ -85,6 +89,39 @@ def ints_sections(blob) -> tuple[np.ndarray, int, int]:
         raise DeltaError("corrupt", "entropy-coded blob: section sizes do not add up")
     table = np.frombuffer(zstd_decompress(blob[at:at + n_table], 2 * ALPHABET), dtype="<u2")
     return table, at + n_table, at + n_table + n_code
+
+
+def ints_sections_many(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`ints_sections` of the blobs ``buf[starts[t]:ends[t]]``: their tables (one row each),
+    and where their codes and raw bits start in ``buf``. The heads are read with numpy and the
+    tables decompressed in one zstd call: a delta of 0.1% of a model holds a hundred or more
+    blobs, and a Python call each took ~5 us. Damage is named by :func:`ints_sections`, blob by
+    blob, which the fast path falls back to on any error."""
+    n = starts.shape[0]
+    tables = np.empty((n, ALPHABET), dtype=np.uint16)
+    code_at, raw_at = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    try:
+        if n and not np.all(ends - starts >= _HEAD.size):
+            raise ValueError("a blob shorter than its head")
+        heads = buf[starts[:, None] + np.arange(_HEAD.size)].view("<u4").reshape(n, 3).astype(np.int64)
+        if not np.array_equal(heads.sum(axis=1) + _HEAD.size, ends - starts):
+            raise ValueError("section sizes do not add up")
+        code_at[:] = starts + _HEAD.size + heads[:, 0]
+        raw_at[:] = code_at + heads[:, 1]
+        if n:
+            frames = zstandard.BufferWithSegments(
+                buf, np.stack([starts + _HEAD.size, heads[:, 0]], axis=1).astype("=u8").tobytes())
+            size = 2 * ALPHABET
+            out = _decompressor().multi_decompress_to_buffer(frames, decompressed_sizes=np.full(n, size, "=u8").tobytes())
+            if out.size() != n * size:
+                raise ValueError("a table of the wrong size")
+            tables[:] = np.frombuffer(b"".join(out[i] for i in range(n)), dtype="<u2").reshape(n, ALPHABET)
+        return tables, code_at, raw_at
+    except Exception:  # noqa: BLE001 - zstd's and numpy's errors alike: the slow path names the damage
+        for t in range(n):
+            tables[t], code, raw = ints_sections(buf[starts[t]:ends[t]])
+            code_at[t], raw_at[t] = starts[t] + code, starts[t] + raw
+        return tables, code_at, raw_at
 
 
 def decode_ints_into(blob, out: np.ndarray, zigzag: bool = False) -> np.ndarray:

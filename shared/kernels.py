@@ -731,30 +731,31 @@ RICE_K, RICE_SHORT, RICE_OUTSIDE, ANS_SHORT, ANS_WIDE, ANS_TABLE = 1, 2, 3, 4, 5
 
 
 @numba.njit(cache=True, nogil=True)
-def decode_sparse(pos_buf, pos_at, val_buf, val_at, code_at, raw_at, tables, counts, limits, zig, width,
+def decode_sparse(buf, pos_lo, pos_hi, code_at, raw_at, val_hi, tables, counts, limits, zig, width,
                   positions, values):  # pragma: no cover
     """Several tensors' Rice-coded positions and rANS-coded values in one call (a call per blob
     costs tens of microseconds in Python). Tensor ``t``: its position blob is
-    ``pos_buf[pos_at[t]:pos_at[t+1]]`` (the Rice parameter, then the code); in its value blob
-    ``val_buf[val_at[t]:val_at[t+1]]`` the code starts at ``code_at[t]`` and the raw bits at
-    ``raw_at[t]``; its symbol frequencies are ``tables[t]``. Its ``counts[t]`` positions (checked
-    strictly increasing and below ``limits[t]``) and values go to the next ``counts[t]`` slots of
-    ``positions`` and ``values``. Returns (-1, 0), or the first failing tensor and a code."""
+    ``buf[pos_lo[t]:pos_hi[t]]`` (the Rice parameter, then the code); its value blob's rANS code
+    is ``buf[code_at[t]:raw_at[t]]`` and its raw bits ``buf[raw_at[t]:val_hi[t]]``, under the
+    symbol frequencies ``tables[t]`` (``code_at[t] < 0``: its values are in place already, coded
+    otherwise). Its ``counts[t]`` positions (checked strictly increasing and below ``limits[t]``)
+    and values go to the next ``counts[t]`` slots of ``positions`` and ``values``. Returns
+    (-1, 0), or the first failing tensor and a code."""
     at = 0
     slots = np.empty(1 << PROB_BITS, dtype=np.uint64)  # one slot table, rebuilt per tensor
     for t in range(counts.shape[0]):
         n = counts[t]
-        p0, p1 = pos_at[t], pos_at[t + 1]
-        if p1 - p0 < 1 or pos_buf[p0] > 56:
+        p0, p1 = pos_lo[t], pos_hi[t]
+        if p1 - p0 < 1 or buf[p0] > 56:
             return t, RICE_K
-        got = rice_unpack(pos_buf[p0 + 1:p1], np.int64(pos_buf[p0]), n, positions[at:at + n], True,
+        got = rice_unpack(buf[p0 + 1:p1], np.int64(buf[p0]), n, positions[at:at + n], True,
                           min(limits[t], np.int64(1) << 62))
         if got == -2:
             return t, RICE_OUTSIDE
         if got < 0:
             return t, RICE_SHORT
-        if n:
-            got = rans_decode_values(val_buf[code_at[t]:raw_at[t]], tables[t], val_buf[raw_at[t]:val_at[t + 1]],
+        if n and code_at[t] >= 0:
+            got = rans_decode_values(buf[code_at[t]:raw_at[t]], tables[t], buf[raw_at[t]:val_hi[t]],
                                      zig[t], width, values[at:at + n], slots)
             if got == -1:
                 return t, ANS_SHORT
