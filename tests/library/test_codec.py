@@ -379,6 +379,46 @@ def test_entropy_table_that_does_not_add_up_is_refused():
         decode_ints(bad, 50)
 
 
+@pytest.mark.parametrize("damage", [None, "hole", "overlap", "trailing byte", "size", "dtype", "offsets"])
+def test_delta_file_checks_the_objects_it_views(damage):
+    """A file read whole is not copied object by object: its blobs are views of its bytes, so the
+    safetensors header's objects are checked as safetensors checks them (bytes that fit each
+    object's dtype and shape, covering the data section exactly) and anything else is refused as
+    damage. The metadata's own checksum does not cover these entries."""
+    import json
+    import struct
+
+    base = bits_state(5, {"a": ((64, 48), torch.bfloat16), "b": ((300,), torch.float32)})
+    data = encode_delta(base, perturb({k: t.clone() for k, t in base.items()}, 0.05, 6),
+                        version=1, base_version=0, base_commitment="")
+    (n,) = struct.unpack("<Q", data[:8])
+    doc, body = json.loads(data[8:8 + n]), data[8 + n:]
+    first, second = sorted((k for k in doc if k != "__metadata__"), key=lambda k: doc[k]["data_offsets"])[:2]
+    a, b = doc[first], doc[second]
+    if damage == "hole":  # one byte of the data section belongs to no object
+        a["data_offsets"][1] -= 1
+        a["shape"][0] -= 1
+    elif damage == "overlap":
+        b["data_offsets"][0] -= 1
+        b["shape"][0] += 1
+    elif damage == "trailing byte":
+        body += b"\0"
+    elif damage == "size":
+        a["shape"][0] += 1
+    elif damage == "dtype":
+        a["dtype"] = "X9"
+    elif damage == "offsets":
+        a["data_offsets"] = "0-9"
+    head = json.dumps(doc).encode()
+    rebuilt = struct.pack("<Q", len(head)) + head + body
+    if damage is None:
+        assert DeltaFile.from_bytes(rebuilt).header == DeltaFile.from_bytes(data).header
+        return
+    with pytest.raises(DeltaError) as e:
+        DeltaFile.from_bytes(rebuilt)
+    assert e.value.reason == "corrupt", e.value
+
+
 @pytest.mark.parametrize("whole", [True, False])
 def test_delta_file_read_whole_or_tensor_by_tensor(tmp_path, monkeypatch, whole):
     """A file up to IN_MEMORY_MAX is read whole; a larger one through safe_open. Both decode the
