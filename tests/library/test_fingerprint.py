@@ -21,6 +21,7 @@ from shared.fingerprint import (
     ZERO,
     Fingerprint,
     fingerprint_delta,
+    delta_lanes,
     fingerprint_deltas,
     add_lanes,
     GatherItem,
@@ -153,6 +154,28 @@ def test_batched_updates_equal_one_at_a_time(dtypes, seed):
         bad[0] = -1
         with pytest.raises(ValueError, match=">= 0"):
             fingerprint_deltas([(bad, *items[0][1:])])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(width=st.sampled_from([8, 16, 32]), sizes=st.lists(st.integers(0, 40), min_size=0, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_delta_lanes_equal_fingerprint_delta(width, sizes, seed):
+    """The publisher's numpy path (lanes of every touched tensor in one call, added to the hex
+    fingerprints) gives each tensor what ``fingerprint_delta`` adds to it, and refuses a
+    negative index or bits of another width."""
+    rng = np.random.default_rng(seed)
+    u = {8: np.uint8, 16: np.uint16, 32: np.uint32}[width]
+    items = [(np.sort(rng.choice(1000, n, replace=False)).astype(np.int64), rng.integers(0, 2**width, n, dtype=u),
+              rng.integers(0, 2**width, n, dtype=u)) for n in sizes]
+    base = [tensor_fingerprint(random_tensor(torch.float32, (9,), seed + k)).hex() for k in range(len(items))]
+    want = [(Fingerprint.from_hex(b) + fingerprint_delta(i, o, n, width)).hex() for b, (i, o, n) in zip(base, items)]
+    assert add_lanes(base, delta_lanes(items, width)) == want
+    if items and sizes[0]:
+        i, o, n = items[0]
+        with pytest.raises(ValueError, match=">= 0"):
+            delta_lanes([(np.concatenate([[-1], i[1:]]), o, n)], width)
+        with pytest.raises(ValueError, match=f"{width}-bit"):
+            delta_lanes([(i, o.astype(np.uint64), n)], width)
 
 
 def test_batched_updates_split_over_threads(monkeypatch):
