@@ -315,10 +315,10 @@ def delta_lanes(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], widt
     if not all(i.ndim == o.ndim == n.ndim == 1 and i.shape[0] == o.shape[0] == n.shape[0] and
                o.itemsize * 8 == n.itemsize * 8 == width for i, o, n in items):
         raise ValueError(f"each item needs one old and one new {width}-bit element per index")
-    bounds = np.zeros(len(items) + 1, dtype=np.int64)
-    np.cumsum([i.shape[0] for i, _, _ in items], out=bounds[1:])
     if not items:
         return np.zeros((0, 4), dtype=np.uint64)
+    bounds = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum([i.shape[0] for i, _, _ in items], out=bounds[1:])
     u = _UNSIGNED_NP[width]
     return _segment_lanes(np.concatenate([i for i, _, _ in items]).astype(np.int64, copy=False),
                           np.concatenate([o for _, o, _ in items]).view(u),

@@ -503,11 +503,7 @@ class DeltaPublisher:
         for n, bits in new_at.items():
             widths.setdefault(bits.itemsize * 8, []).append(n)
         out = {}
-        for width, names in widths.items():
-            if width == 64:  # two words an element: one at a time
-                out.update((n, (self._fingerprints[n] + fingerprint_delta(
-                    found[n].positions, new_at[n] ^ found[n].xor, new_at[n], 64)).hex()) for n in names)
-                continue
+        for width, names in widths.items():  # the bit views of changes are 16- or 32-bit
             lanes = delta_lanes([(found[n].positions, new_at[n] ^ found[n].xor, new_at[n]) for n in names], width)
             out.update(zip(names, add_lanes([self._fingerprints[n].hex() for n in names], lanes)))
         return out
