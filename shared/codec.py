@@ -828,6 +828,8 @@ class DeltaFile:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "") -> DeltaFile:
+        """The file in ``data``, which must not change while it is used: its blobs are views of
+        it, checked once (:meth:`verify`)."""
         n = header_length(data[:8], len(data), where)
         doc = _header_doc(data[8:8 + n], where)
         header = _header_from_doc(doc, where)
