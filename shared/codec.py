@@ -961,22 +961,17 @@ class DeltaFile:
         np.cumsum(counts, out=bounds[1:])
         positions = np.empty(int(bounds[-1]), dtype=np.int64)
         values = np.empty(int(bounds[-1]), dtype=UNSIGNED_NP[iv])
-        buf, pos_lo, pos_hi = self._spans([n + POS for n in members])
         ans = [t for t, e in enumerate(entries) if e.coders.get(VAL) == "ans"]
-        val_buf, val_lo, val_hi = self._spans([members[t] + VAL for t in ans])
+        buf, lo, hi = self._spans([n + POS for n in members] + [members[t] + VAL for t in ans])
+        pos_lo, pos_hi, val_lo, val_hi = lo[:len(members)], hi[:len(members)], lo[len(members):], hi[len(members):]
         tables = np.zeros((len(members), ALPHABET), dtype=np.uint16)
         code_at, raw_at, val_end = (np.full(len(members), -1, dtype=np.int64) for _ in range(3))
-        tables[ans], code_at[ans], raw_at[ans] = ints_sections_many(val_buf, val_lo, val_hi)
+        tables[ans], code_at[ans], raw_at[ans] = ints_sections_many(buf, val_lo, val_hi)
         val_end[ans] = val_hi
         for t, e in enumerate(entries):  # other value coders (new bits of a few elements: zstd)
             if code_at[t] < 0:
                 values[bounds[t]:bounds[t + 1]] = decode_value_bits(
                     e.encoding, self._blob(members[t], VAL), e.changed, UNSIGNED_NP[iv], e.coders.get(VAL, "zstd"))
-        if val_buf is not buf:  # blobs joined (a file read tensor by tensor): one buffer for both
-            code_at[ans] += buf.shape[0]
-            raw_at[ans] += buf.shape[0]
-            val_end[ans] += buf.shape[0]
-            buf = np.concatenate([buf, val_buf])
         failed, why = decode_sparse(buf, pos_lo, pos_hi, code_at, raw_at, val_end, tables, counts, limits, zig,
                                     torch.iinfo(iv).bits, positions, values)
         if failed >= 0:
