@@ -15,13 +15,18 @@ beside it: it runs while the next step trains, but it is CPU the trainer's host 
 "same, digests at anchors" is that for ``DeltaPublisher(digests="anchors")``, which hashes no
 tensor whole for a delta (its work is O(changes)).
 
-    python -m bench.codec [--quick] [--large] [--only 26M,79M]
+Cases run with torch's OpenMP workers spinning as briefly as in the trainer Space
+(:mod:`shared.openmp`), unless ``--libgomp-spin``: then, as in a trainer that leaves libgomp's
+default, they spin through the start of every ``publish()``.
+
+    python -m bench.codec [--quick] [--large] [--only 26M,79M] [--libgomp-spin]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 from concurrent.futures import ProcessPoolExecutor
 import resource
 import statistics
@@ -36,6 +41,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from bench.common import RESULTS, int32_bf16_bytes, median_time, memcpy_seconds, read_seconds, write_json
+from shared.openmp import bound_openmp_spin
 
 
 @dataclass
@@ -297,15 +303,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one small case (a smoke test)")
     ap.add_argument("--large", action="store_true", help="also an ~800M-parameter case")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the cases whose names hold one")
+    ap.add_argument("--libgomp-spin", action="store_true",
+                    help="leave torch's OpenMP workers at libgomp's default spin, as a trainer that does not "
+                         "import trainer_space first (see shared.openmp); by default the cases run as the trainer "
+                         "Space does")
     a = ap.parse_args()
+    if not a.libgomp_spin:
+        bound_openmp_spin()  # for the case processes, which load torch after this
+    spin = os.environ.get("GOMP_SPINCOUNT", "libgomp default")
     results = []
     wanted = [w for w in a.only.split(",") if w]
     for case in cases(a.quick, a.large):
         if wanted and not any(w in case.name for w in wanted):
             continue
         with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:  # peak RSS per case
-            results.append(pool.submit(run_case, case).result())
+            results.append({**pool.submit(run_case, case).result(), "gomp_spincount": spin})
     report(results)
+    print(f"torch's OpenMP workers spin: GOMP_SPINCOUNT={spin}")
     path = write_json("codec", {"results": results})
     plot(results)
     print(f"wrote {path} and {RESULTS / 'codec.png'}")

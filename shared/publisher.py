@@ -195,7 +195,9 @@ class DeltaPublisher:
     and XORs cross to the host (whose snapshot still serves anchors and digests), never the whole
     model per version. ``detect``: ``"auto"`` (that, and numba for host tensors), ``"torch"``
     (the device path even for host tensors, which the tests use) or ``"numba"`` (copy every
-    tensor to the host and compare there, as before).
+    tensor to the host and compare there, as before). A CPU trainer should call
+    :func:`shared.openmp.bound_openmp_spin` before it imports torch: otherwise torch's OpenMP
+    workers spin on the cores through the first ~10 ms of every ``publish()``.
 
     The publisher is the store's only writer while it lives (``writer.lock``, see
     :mod:`shared.lock`); ``close()`` uploads what is queued and releases it, and runs at exit
