@@ -4,7 +4,7 @@ After each parallel op, the workers of torch's OpenMP runtime (libgomp on Linux)
 before they sleep: by default 300000 ``pause`` loops, some 10-15 ms here. A CPU trainer calls
 ``DeltaPublisher.publish()`` right after ``optimizer.step()``, so its scan threads share the cores
 with those spinning workers for most of their run. On 2 cores, 26M bf16 parameters at ~1%
-changed, ``publish()`` took 12.9-14.5 ms with libgomp's default and 8.1-10.8 ms with 10000 spins,
+changed, ``publish()`` took 12.9-16.6 ms with libgomp's default and 8.1-11.7 ms with 10000 spins,
 which still bridge the microseconds between a training step's ops (the step time and a torch
 memcpy did not move; ``OMP_WAIT_POLICY=PASSIVE`` made the memcpy ~15% slower).
 
