@@ -11,11 +11,15 @@ checks that the replica's live weights are now the trainer's, bit for bit.
 
 import argparse
 
-import httpx
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from shared.openmp import bound_openmp_spin
 
-from shared.publisher import DeltaPublisher
+bound_openmp_spin()  # before torch loads: its OpenMP workers would spin through every publish()
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from shared.publisher import DeltaPublisher  # noqa: E402
 
 ap = argparse.ArgumentParser()
 for flag in ("--model", "--store", "--replica", "--token"):
