@@ -32,11 +32,13 @@ def _spin_settings(**env: str) -> str:
 
 
 def test_the_trainer_bounds_openmp_spin_before_torch_loads_and_keeps_a_users_choice():
+    import torch  # noqa: F401 - loaded here, as in every trainer that imports it first
+
     from shared.openmp import SPINCOUNT, bound_openmp_spin
 
     assert _spin_settings() == f"{SPINCOUNT} None False"
     assert _spin_settings(GOMP_SPINCOUNT="5") == "5 None False"
     assert _spin_settings(OMP_WAIT_POLICY="PASSIVE") == "None PASSIVE False"
     env: dict[str, str] = {}
-    assert bound_openmp_spin(env) is False  # this test process has torch loaded: too late for it
+    assert bound_openmp_spin(env) is False  # too late for this process's libgomp
     assert env == {"GOMP_SPINCOUNT": SPINCOUNT}
