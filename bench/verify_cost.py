@@ -26,6 +26,7 @@ the change, read here as the same 1/4 at 0.1% against 1%.
 JSON: ``bench/results/verify_cost.json`` (``--name``).
 
     .venv/bin/python -m bench.verify_cost [--hidden 768 --layers 7 ...] [--reps 8]
+    VLLM_CPU_OMP_THREADS_BIND="0|1" .venv/bin/python -m bench.verify_cost --tensor-parallel-size 2
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def _worker_costs(worker, delta_path: str, reps: int) -> dict:
                                       else weights.held.fingerprints[n]) for n, (d, s) in weights.held.specs.items()})
 
     base = live_fingerprint()
+    split = weights.split()  # tensors this rank holds in part (tensor parallelism): partials
+    partials: dict[str, str] = {}
     times: dict[str, list[float]] = {k: [] for k in STEPS}
     parts: dict[str, list[float]] = {}  # staging's own split
     for rep in range(reps):
@@ -80,7 +83,11 @@ def _worker_costs(worker, delta_path: str, reps: int) -> dict:
         a = time.perf_counter()
         _, drifted = weights.rolling_audit()
         times["rolling"].append(time.perf_counter() - a)
-        if bad or drifted or (rep == 0 and live_fingerprint() != delta.header.state_fingerprint):
+        if rep == 0:  # the held partials are what staging predicted: the live ones must be them
+            partials = {n: str(weights.fingerprint(n)) for n in split}
+            if any(partials[n] != weights.held.fingerprints[n] for n in split):
+                raise AssertionError("a rank's partial fingerprint is not the predicted one")
+        if bad or drifted or (rep == 0 and not split and live_fingerprint() != delta.header.state_fingerprint):
             raise AssertionError(f"not exact: read back {bad}, rolling {drifted}")
         weights.revert(staged)
     if live_fingerprint() != base:
@@ -88,7 +95,29 @@ def _worker_costs(worker, delta_path: str, reps: int) -> dict:
     return {"times": times, "stage_parts_median_s": {k: statistics.median(v) for k, v in parts.items()},
             "changed": staged.changed, "numel": delta.header.numel,
             "delta_bytes": Path(delta_path).stat().st_size, "tensors": len(weights.live.map.tensors),
-            "audit_every": weights.audit_every}
+            "audit_every": weights.audit_every, "partials": partials}
+
+
+def _over_ranks(results: list[dict], delta_path: Path) -> dict:
+    """One rank's results, or under tensor parallelism all ranks' as one: the ranks stage and
+    write at the same time and the server waits for the last, so each repetition's step counts
+    its slowest rank. The ranks' partial fingerprints of each split tensor must add up to the
+    delta's declared one."""
+    from shared.codec import DeltaFile
+    from shared.fingerprint import Fingerprint
+
+    out = dict(results[0])
+    out["times"] = {k: [max(ts) for ts in zip(*(r["times"][k] for r in results))] for k in STEPS}
+    out["median_s"] = {k: statistics.median(v) for k, v in out["times"].items()}
+    out["ranks"] = len(results)
+    if len(results) > 1:
+        out["per_rank_median_s"] = [{k: statistics.median(v) for k, v in r["times"].items()} for r in results]
+        header = DeltaFile.open(delta_path).header
+        for name in results[0]["partials"]:
+            total = sum((Fingerprint.from_hex(r["partials"][name]) for r in results), Fingerprint())
+            if str(total) != header.tensors[name].fingerprint:
+                raise AssertionError(f"{name}: the ranks' partials do not add up to the declared fingerprint")
+    return out
 
 
 def trainer_costs(base: dict, new: dict, reps: int) -> dict:
@@ -125,6 +154,8 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--fractions", default="0.001,0.01")
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks; on CPU give each its cores, e.g. VLLM_CPU_OMP_THREADS_BIND='0|1'")
     ap.add_argument("--name", default="verify_cost", help="JSON file name in bench/results (default: %(default)s)")
     a = ap.parse_args()
 
@@ -141,6 +172,7 @@ def main() -> None:
                                  kv_heads=a.kv_heads, head_dim=64, intermediate=a.intermediate)
     fractions = [float(f) for f in a.fractions.split(",")]
     llm = LLM(str(model_dir), enforce_eager=True, dtype="bfloat16", max_model_len=512,
+              tensor_parallel_size=a.tensor_parallel_size,
               kv_cache_memory_bytes=256 << 20, worker_extension_cls="rollout_space.worker.DeltaWorkerExtension")
     init = json.loads(llm.collective_rpc("deltasync_init", args=(json.dumps(
         {"model_dir": str(model_dir), "map_cache": str(tmp / "maps")}),))[0])
@@ -152,9 +184,7 @@ def main() -> None:
         adopt = json.loads(llm.collective_rpc("deltasync_adopt", args=(json.dumps(
             {"version": 0, "commitment": info["base_commitment"], "state_digest": info["base_state_digest"]}),))[0])
         assert adopt["ok"], adopt
-        r = llm.collective_rpc(_worker_costs, args=(str(path), a.reps))[0]
-        r["median_s"] = {k: statistics.median(v) for k, v in r["times"].items()}
-        runs[fraction] = r
+        runs[fraction] = _over_ranks(llm.collective_rpc(_worker_costs, args=(str(path), a.reps)), path)
     base = load_state(model_dir)  # (imported after the engine started: vLLM's CPU platform scans loaded modules)
     trainer = {f: trainer_costs(base, changed_state(base, f, seed=i), a.reps) for i, f in enumerate(fractions)}
 
