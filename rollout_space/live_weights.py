@@ -157,7 +157,7 @@ class LiveWeights:
         self.audit_every = audit_every
         self._audit_order = sorted(live.map.tensors)
         self._audit_next = 0
-        self._gather_at: dict[str, tuple[torch.Tensor, int] | None] = {}  # see _gather_item
+        self._gather_at: dict[str, tuple[torch.Tensor, np.ndarray, int] | None] = {}  # see _gather_item
 
     # ------------------------------------------------------------------ reading
     def digest(self, name: str) -> str:
@@ -284,10 +284,11 @@ class LiveWeights:
             "stage_s": time.perf_counter() - t0})
 
     def _pieces(self, changes: list[TensorChange]) -> list[list[Piece]]:
-        """Each change's pieces. The tensors held as one run of a CPU parameter in the
-        checkpoint's dtype (all of them on one rank) are gathered with their fingerprint changes
-        in one numba call per element width (:func:`~shared.fingerprint.gather_updates`), the
-        others through torch, a piece per parameter."""
+        """Each change's pieces. The tensors this rank holds in one CPU parameter in the
+        checkpoint's dtype (all of them on one rank; under tensor parallelism, a shard as one run
+        or a run per row) are gathered with their fingerprint changes in one numba call per
+        element width (:func:`~shared.fingerprint.gather_updates`), the others through torch, a
+        piece per parameter."""
         out: list[list[Piece] | None] = [None] * len(changes)
         runs: dict[int, list[tuple[int, GatherItem]]] = {}  # by element size
         for i, change in enumerate(changes):
@@ -297,21 +298,23 @@ class LiveWeights:
             else:
                 runs.setdefault(item.target.element_size(), []).append((i, item))
         for run in runs.values():
-            for (i, item), (dest, old, new, lanes) in zip(run, gather_updates([item for _, item in run])):
-                out[i] = [Piece(Patch(changes[i].name, item.target, dest, new, old), item.positions, old, new, lanes)]
+            for (i, item), g in zip(run, gather_updates([item for _, item in run])):
+                out[i] = [Piece(Patch(changes[i].name, item.target, g.dest, g.new, g.old), g.positions, g.old, g.new,
+                                g.lanes)] if g.dest.numel() else []  # none of it held here
         return out  # type: ignore[return-value]
 
     def _gather_item(self, change: TensorChange) -> GatherItem | None:
         """The change as one item of :func:`~shared.fingerprint.gather_updates`, where it can be one."""
         if change.positions is None or change.mode == "full":
             return None
-        if change.name not in self._gather_at:  # (the parameter's integer view, the offset), or None
-            one, dtype = self.live.single_run(change.name), TORCH_DTYPES[self.held.specs[change.name][0]]
-            flat = None if one is None else self.live.flats[one[0]]
+        if change.name not in self._gather_at:  # (the parameter's integer view, runs, numel), or None
+            tables, dtype = self.live.run_tables(change.name), TORCH_DTYPES[self.held.specs[change.name][0]]
+            flat = self.live.flats[tables[0][0]] if len(tables) == 1 else None
             fits = flat is not None and flat.is_cpu and flat.dtype == dtype and flat.element_size() <= 4
-            self._gather_at[change.name] = (_bits(flat), one[1]) if fits else None
+            numel = self.live.map.tensors[change.name].numel
+            self._gather_at[change.name] = (_bits(flat), tables[0][1], numel) if fits else None
         at = self._gather_at[change.name]
-        return None if at is None else GatherItem(at[0], at[1], change.positions, change.bits, change.mode)
+        return None if at is None else GatherItem(*at, change.positions, change.bits, change.mode)
 
     def _patches_for(self, change: TensorChange) -> list[Piece]:
         """The change's pieces through torch, one per engine parameter this rank holds of it."""

@@ -33,7 +33,7 @@ import torch
 from pydantic import BaseModel
 
 from shared.digest import SAFETENSORS_DTYPES, TORCH_DTYPES
-from shared.fingerprint import Fingerprint, tensor_fingerprint
+from shared.fingerprint import Fingerprint, runs_fingerprint, tensor_fingerprint
 
 SENTINEL = -1.0
 MAP_FORMAT = 1
@@ -314,6 +314,7 @@ class LiveMap:
                                f"{tuple(spec.shape)}/{spec.dtype}")
         self.flats = [p.data.view(-1) for p in self.params]
         self._arrays: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._tables: dict[str, list[tuple[int, np.ndarray]]] = {}
         # asked per touched tensor per version: answered once (the map does not change)
         self._single = {n: _single_run(t) for n, t in emap.tensors.items()}
         self._whole = {n for n, t in emap.tensors.items() if t.covered == t.numel}
@@ -365,12 +366,32 @@ class LiveMap:
             run = self.flats[p][ps: ps + n]
             yield s, run if run.dtype == dtype else run.to(dtype)
 
+    def run_tables(self, name: str) -> list[tuple[int, np.ndarray]]:
+        """Per parameter that holds part of ``name`` on this rank: (param, rows of (checkpoint
+        flat start, length, flat start in the parameter)), by checkpoint start."""
+        if name not in self._tables:
+            t = self.map.tensors[name]
+            rows = np.array([t.hf_start, t.length, t.param_start], dtype=np.int64).T.reshape(-1, 3)
+            params = np.array(t.param, dtype=np.int64)
+            self._tables[name] = [(p, np.ascontiguousarray(rows[params == p])) for p in np.unique(params).tolist()]
+        return self._tables[name]
+
     def fingerprint(self, name: str) -> Fingerprint:
         """The fingerprint of the elements this rank holds, at their checkpoint indices: the
-        whole tensor's when it holds them all, else a partial sum that the other ranks' complete."""
+        whole tensor's when it holds them all, else a partial sum that the other ranks' complete
+        (one pass over a parameter's runs when it is in the checkpoint's dtype)."""
         if self.whole(name):
             return tensor_fingerprint(self.read(name))
-        return sum((tensor_fingerprint(run, start=s) for s, run in self.runs(name)), Fingerprint())
+        dtype = TORCH_DTYPES[self.map.tensors[name].dtype]
+        total = Fingerprint()
+        for p, rows in self.run_tables(name):
+            flat = self.flats[p]
+            if flat.dtype == dtype:
+                total += runs_fingerprint(flat, rows)
+            else:
+                total += sum((tensor_fingerprint(flat[a:a + n].to(dtype), start=s) for s, n, a in rows.tolist()),
+                             Fingerprint())
+        return total
 
     def read(self, name: str) -> torch.Tensor:
         """The live tensor in checkpoint coordinates (a view when it is one run, else a copy)."""

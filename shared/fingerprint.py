@@ -153,6 +153,27 @@ def _device(device: str | torch.device | None, fallback: torch.device) -> torch.
     return d
 
 
+def _pieces_of(runs: np.ndarray, chunk: int) -> np.ndarray:
+    """Runs cut into pieces of at most ``chunk`` words, in order."""
+    cuts = -(-runs[:, 1] // chunk)
+    if not runs.size or cuts.max() <= 1:
+        return runs
+    row = np.repeat(np.arange(runs.shape[0]), cuts)
+    k = np.arange(row.shape[0]) - np.repeat(np.cumsum(cuts) - cuts, cuts)  # piece k of its run
+    step = k * chunk
+    return np.stack([runs[row, 0] + step, np.minimum(chunk, runs[row, 1] - step), runs[row, 2] + step], axis=1)
+
+
+def _groups(pieces: np.ndarray, size: int) -> list[tuple[int, int]]:
+    """Consecutive pieces in groups of about ``size`` words each: ``(first, end)`` rows."""
+    if not pieces.size:
+        return []
+    ends = np.cumsum(pieces[:, 1])
+    cuts = np.searchsorted(ends, np.arange(size, int(ends[-1]), size), side="left") + 1
+    edges = sorted({0, *cuts.tolist(), pieces.shape[0]})
+    return list(zip(edges[:-1], edges[1:]))
+
+
 # --------------------------------------------------------------------------- public API
 def tensor_fingerprint(t: torch.Tensor, *, start: int = 0, device: str | torch.device | None = None,
                        backend: Backend = "auto", threads: bool = True, chunk: int | None = None) -> Fingerprint:
@@ -174,6 +195,26 @@ def tensor_fingerprint(t: torch.Tensor, *, start: int = 0, device: str | torch.d
     if kind == "numba":
         return _numba_range(words, start * per, width, threads, chunk)
     return _torch_range(words, start * per, width, dev, chunk)
+
+
+def runs_fingerprint(flat: torch.Tensor, runs: np.ndarray, *, device: str | torch.device | None = None,
+                     backend: Backend = "auto", chunk: int | None = None) -> Fingerprint:
+    """Fingerprint of runs of ``flat`` placed elsewhere: row ``(start, length, at)`` of ``runs``
+    (int64, shape (R, 3)) is ``flat[at:at + length]`` at global flat indices ``start, start+1,
+    ...``; the sum of :func:`tensor_fingerprint` of each run with its ``start``, in one pass. A
+    rank holding a row-parallel shard holds a run per row, thousands per tensor: a call per run
+    cost more than the hashing. Runs may come in any order; overlapping ones count twice."""
+    words, width, per = _words(flat)
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    if runs.size and (runs.min() < 0 or (runs[:, 2] + runs[:, 1]).max() > flat.numel()):
+        raise ValueError(f"runs outside the {flat.numel()} elements given, or negative")
+    dev = _device(device, words.device)
+    kind = _pick(backend, dev)
+    chunk = (chunk or _chunk(kind, dev)) * per
+    pieces = _pieces_of(runs[runs[:, 1] > 0] * per, chunk)
+    if kind == "numba":
+        return _numba_runs(words, pieces, width, chunk)
+    return _torch_runs(words, pieces, width, dev, chunk)
 
 
 def fingerprint_delta(indices: torch.Tensor | np.ndarray, old_bits: torch.Tensor | np.ndarray,
@@ -240,33 +281,51 @@ _RULES = {"xor": 0, "add": 1, "set": 2}  # the codec's rules for new bits (codec
 
 
 class GatherItem(NamedTuple):
-    """One tensor's change to stage: its write goes to ``target[offset + positions]``."""
+    """One tensor's change to stage, where this rank holds the tensor (or its share of it) in one
+    CPU parameter: element ``start + i`` of the tensor lives at ``target[at + i]`` for each row
+    ``(start, length, at)`` of ``runs`` and ``0 <= i < length``."""
 
     target: torch.Tensor  # flat 8-32-bit integer view of a CPU parameter
-    offset: int
+    runs: np.ndarray  # int64 (R, 3), by start, disjoint; a position in none is another rank's
+    numel: int  # the tensor's elements
     positions: torch.Tensor  # int64, the tensor's flat indices
     bits: torch.Tensor  # one value per position, as wide as the target's elements
     mode: str  # the codec's rule for the new bits (shared.codec.combine)
 
 
-def gather_updates(items: Sequence[GatherItem]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]]:
+def one_run(numel: int, at: int = 0) -> np.ndarray:
+    """The :attr:`GatherItem.runs` of a tensor held whole at ``target[at:at + numel]``."""
+    return np.array([[0, numel, at]], dtype=np.int64)
+
+
+class Gathered(NamedTuple):
+    """One item staged: what this rank holds of its change."""
+
+    positions: torch.Tensor  # the tensor's flat indices held here (the item's own when all are)
+    dest: torch.Tensor  # where they live in the target
+    old: torch.Tensor  # the target's bits there
+    new: torch.Tensor  # the bits after the write, by the item's rule
+    lanes: np.ndarray  # four uint64: what the write adds to the fingerprint of the elements held here
+
+
+def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
     """Stages the writes of ``items`` (all of one element width) in one numba call: per item,
-    ``(engine positions, old bits, new bits, lanes)``, that is ``offset + positions``, the
-    target's bits there, the new bits by the item's rule, and what its write adds to the
-    fingerprint of the tensor that ``positions`` index (four uint64: :func:`fingerprint_delta`
-    of the old and new bits). The kernel reaches every target, position and bit array by address:
-    a replica stages each touched tensor every version, and at 0.1% changed a call per tensor
-    spent more time on numba's argument checks and numpy views than on the gather itself."""
+    the positions this rank holds, their places in the target, the target's bits there, the new
+    bits by the item's rule, and what the write adds to the fingerprint (:func:`fingerprint_delta`
+    of the old and new bits: under tensor parallelism, of this rank's partial). The kernel reaches
+    every target, run table, position and bit array by address: a replica stages each touched
+    tensor every version, and at 0.1% changed a call per tensor spent more time on numba's
+    argument checks and numpy views than on the gather itself."""
     if not items:
         return []
     size = items[0].target.element_size()
     width = size * 8
     if width not in _UNSIGNED_NP:
         raise ValueError(f"8-32-bit targets, not {items[0].target.dtype}")
-    rows = []  # per item: the addresses of target, positions and bits, offset, limit, rule
+    rows = []  # per item: target, its elements, positions, bits, runs (addresses), run count, numel, rule
     bounds = [0]
     keep = []  # copies made contiguous here, alive until the kernel returns
-    for k, (target, offset, positions, bits, mode) in enumerate(items):
+    for k, (target, runs, numel, positions, bits, mode) in enumerate(items):
         # attribute checks only: a tensor's .device or .shape comparison costs about a microsecond
         if not target.is_cpu or target.dim() != 1 or target.element_size() != size or not target.is_contiguous():
             raise ValueError(f"item {k}: a flat {width}-bit CPU tensor to gather from, not {target.dtype} "
@@ -281,27 +340,38 @@ def gather_updates(items: Sequence[GatherItem]) -> list[tuple[torch.Tensor, torc
         if not bits.is_cpu or not bits.is_contiguous():
             bits = bits.cpu().contiguous()
             keep.append(bits)
+        if runs.dtype != np.int64 or runs.ndim != 2 or runs.shape[1] != 3 or not runs.flags.c_contiguous:
+            runs = np.ascontiguousarray(runs, dtype=np.int64).reshape(-1, 3)
+            keep.append(runs)
         rule = _RULES.get(mode)
         if rule is None:
             raise ValueError(f"item {k}: unknown rule {mode!r} (one of {sorted(_RULES)})")
-        numel = target.numel()
-        if not 0 <= offset <= numel:
-            raise ValueError(f"item {k}: offset {offset} outside the target's {numel} elements")
-        rows.append((target.data_ptr(), positions.data_ptr(), bits.data_ptr(), offset, numel - offset, rule))
+        rows.append((target.data_ptr(), target.numel(), positions.data_ptr(), bits.data_ptr(),
+                     runs.ctypes.data, runs.shape[0], numel, rule))
         bounds.append(bounds[-1] + positions.numel())
     u = _UNSIGNED_NP[width]
-    dest, old, new = np.empty(bounds[-1], np.int64), np.empty(bounds[-1], u), np.empty(bounds[-1], u)
+    total = bounds[-1]
+    held, dest = np.empty(total, np.int64), np.empty(total, np.int64)
+    old, new = np.empty(total, u), np.empty(total, u)
+    counts = np.empty(len(rows), np.int64)
     lanes = np.zeros((len(rows), 4), np.uint64)
     failed = _kernels()["gather"](np.array(rows, dtype=np.int64), np.array(bounds, dtype=np.int64), width,
-                                  dest, old, new, lanes)
+                                  held, dest, old, new, counts, lanes)
     del keep
     if failed >= 0:
-        *_, offset, limit, _ = rows[failed]
-        raise ValueError(f"item {failed}: positions outside the {limit} elements after offset {offset}")
+        k = failed // 2
+        if failed % 2:
+            raise ValueError(f"item {k}: runs out of order, overlapping or outside the target's "
+                             f"{rows[k][1]} elements or the tensor's {rows[k][6]}")
+        raise ValueError(f"item {k}: positions outside the tensor's {rows[k][6]} elements")
+    # one split each, not slices per item: item k's outputs are the first counts[k] of its span
+    sizes = [s for k, c in enumerate(counts.tolist()) for s in (c, bounds[k + 1] - bounds[k] - c)]
     signed = _NP_SIGNED[size]
-    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]  # one split, not a slice per item
-    return list(zip(torch.from_numpy(dest).split(sizes), torch.from_numpy(old.view(signed)).split(sizes),
-                    torch.from_numpy(new.view(signed)).split(sizes), lanes))
+    held_t, dest_t = torch.from_numpy(held).split(sizes)[::2], torch.from_numpy(dest).split(sizes)[::2]
+    old_t = torch.from_numpy(old.view(signed)).split(sizes)[::2]
+    new_t = torch.from_numpy(new.view(signed)).split(sizes)[::2]
+    return [Gathered(item.positions if c == item.positions.numel() else h, d, o, n, ln)
+            for item, c, h, d, o, n, ln in zip(items, counts.tolist(), held_t, dest_t, old_t, new_t, lanes)]
 
 
 def delta_lanes(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], width: int) -> np.ndarray:
@@ -423,6 +493,24 @@ def _torch_at(idx: torch.Tensor, words: torch.Tensor, width: int, device: torch.
                       max(1, min(chunk, n)))
 
 
+def _torch_runs(words: torch.Tensor, pieces: np.ndarray, width: int, device: torch.device,
+                chunk: int) -> Fingerprint:
+    """Pieces gathered a group at a time (about ``chunk`` words) as indices and words."""
+    groups = _groups(pieces, chunk)
+
+    def gathered(first: int, end: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        g = torch.from_numpy(pieces[first:end]).to(words.device)
+        lengths = g[:, 1]
+        inner = torch.arange(int(lengths.sum()), device=words.device) - \
+            torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        at = torch.repeat_interleave(g[:, 2], lengths) + inner
+        idx = torch.repeat_interleave(g[:, 0], lengths) + inner
+        return 0, idx.to(device), words.index_select(0, at)
+
+    widest = max((int(pieces[a:b, 1].sum()) for a, b in groups), default=1)
+    return _torch_sum((gathered(a, b) for a, b in groups), width, device, widest)
+
+
 # --------------------------------------------------------------------------- numba backend
 # Plain functions here, compiled on first use by _kernels(); the constants are read as globals,
 # which numba freezes at compile time.
@@ -450,6 +538,22 @@ def _range_kernel(words, start, width, out):  # pragma: no cover - compiled by n
         s1 += _nb_mix(x ^ _NK1)
         s2 += _nb_mix(x ^ _NK2)
         s3 += _nb_mix(x ^ _NK3)
+    out[0], out[1], out[2], out[3] = s0, s1, s2, s3
+
+
+def _runs_kernel(words, pieces, width, out):  # pragma: no cover - compiled by numba
+    """:func:`_range_kernel` over each piece ``(start, length, at)``: ``words[at:at + length]``
+    at word indices from ``start``, summed."""
+    sh = np.uint64(width)
+    s0, s1, s2, s3 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    for r in range(pieces.shape[0]):
+        base, at = np.uint64(pieces[r, 0]), pieces[r, 2]
+        for j in range(pieces[r, 1]):
+            x = ((base + np.uint64(j)) << sh) | np.uint64(words[at + j])
+            s0 += _nb_mix(x ^ _NK0)
+            s1 += _nb_mix(x ^ _NK1)
+            s2 += _nb_mix(x ^ _NK2)
+            s3 += _nb_mix(x ^ _NK3)
     out[0], out[1], out[2], out[3] = s0, s1, s2, s3
 
 
@@ -487,39 +591,77 @@ def _delta_kernel(idx, old, new, width, bounds, out):  # pragma: no cover - comp
     return True
 
 
-def _gather_kernel(table, bounds, width, dest, old, new, out):  # pragma: no cover - compiled by numba
-    """The writes of :func:`gather_updates` staged, item ``k`` described by ``table[k]`` (the
-    addresses of its target, positions and bits, its offset, limit and rule: 0 ``old ^ bits``, 1
-    ``old + bits`` wrapping, 2 ``bits``) and owning ``bounds[k]:bounds[k+1]`` of the outputs.
-    Returns -1, or with nothing read the first item with a position outside its target. One pass
-    per step (gather, rule, fingerprint): fused into one loop, the gather's loads and the stores
-    kept LLVM from vectorising the lanes, at 2.5x the time."""
+def _gather_kernel(table, bounds, width, held, dest, old, new, counts, out):  # pragma: no cover - numba
+    """The writes of :func:`gather_updates` staged. Item ``k`` is ``table[k]`` = (addresses of its
+    target, the target's elements, addresses of its positions, bits and runs, the run count, the
+    tensor's elements, its rule: 0 ``old ^ bits``, 1 ``old + bits`` wrapping, 2 ``bits``) and owns
+    ``bounds[k]:bounds[k+1]`` of the outputs, of which it fills the first ``counts[k]``. Returns
+    -1, or with nothing read ``2k`` for item ``k``'s positions outside its tensor, ``2k + 1`` for
+    its runs. One pass per step (gather, rule, fingerprint): fused into one loop, the gather's
+    loads and the stores kept LLVM from vectorising the lanes, at 2.5x the time."""
     for k in range(bounds.shape[0] - 1):
-        positions = _nb_carray(_nb_address(table[k, 1], dest), bounds[k + 1] - bounds[k])
-        limit = table[k, 4]
+        runs = _nb_carray(_nb_address(table[k, 4], dest), (table[k, 5], 3))
+        numel, end = table[k, 6], 0
+        for r in range(runs.shape[0]):
+            if runs[r, 0] < end or runs[r, 1] < 0 or runs[r, 2] < 0 or runs[r, 2] + runs[r, 1] > table[k, 1]:
+                return 2 * k + 1
+            end = runs[r, 0] + runs[r, 1]
+        if end > numel:
+            return 2 * k + 1
+        positions = _nb_carray(_nb_address(table[k, 2], dest), bounds[k + 1] - bounds[k])
         for j in range(positions.shape[0]):
-            if positions[j] < 0 or positions[j] >= limit:
-                return k
+            if positions[j] < 0 or positions[j] >= numel:
+                return 2 * k
     for k in range(bounds.shape[0] - 1):
         lo, hi = bounds[k], bounds[k + 1]
-        offset, mode = table[k, 3], table[k, 5]
-        positions = _nb_carray(_nb_address(table[k, 1], dest), hi - lo)
-        bits = _nb_carray(_nb_address(table[k, 2], old), hi - lo)
-        target = _nb_carray(_nb_address(table[k, 0], old), offset + table[k, 4])
+        mode, numel = table[k, 7], table[k, 6]
+        positions = _nb_carray(_nb_address(table[k, 2], dest), hi - lo)
+        bits = _nb_carray(_nb_address(table[k, 3], old), hi - lo)
+        runs = _nb_carray(_nb_address(table[k, 4], dest), (table[k, 5], 3))
+        target = _nb_carray(_nb_address(table[k, 0], old), table[k, 1])
         d, o, n = dest[lo:hi], old[lo:hi], new[lo:hi]
-        for j in range(hi - lo):
-            at = positions[j] + offset
-            d[j] = at
-            o[j] = target[at]
+        if runs.shape[0] == 1 and runs[0, 0] == 0 and runs[0, 1] == numel:  # held whole, one run
+            offset = runs[0, 2]
+            for j in range(hi - lo):
+                at = positions[j] + offset
+                d[j] = at
+                o[j] = target[at]
+            c, at_, src = hi - lo, positions, bits
+            if mode == 2:
+                n[:] = bits
+        else:  # held in runs, some perhaps on other ranks
+            c, r, last = 0, 0, runs.shape[0] - 1
+            h = held[lo:hi]
+            for j in range(hi - lo if last >= 0 else 0):
+                p = positions[j]
+                if p < runs[r, 0] or p >= runs[r, 0] + runs[r, 1]:  # not the current run
+                    if r < last and runs[r + 1, 0] <= p < runs[r + 1, 0] + runs[r + 1, 1]:
+                        r += 1  # the next one (positions come sorted)
+                    else:  # by bisection: the last run starting at or before p
+                        a, b = 0, last + 1
+                        while b - a > 1:
+                            m = (a + b) // 2
+                            if runs[m, 0] <= p:
+                                a = m
+                            else:
+                                b = m
+                        r = a
+                        if p < runs[r, 0] or p >= runs[r, 0] + runs[r, 1]:
+                            continue  # another rank's
+                h[c] = p
+                d[c] = runs[r, 2] + p - runs[r, 0]
+                o[c] = target[d[c]]
+                n[c] = bits[j]
+                c += 1
+            at_, src = h, n
+        counts[k] = c
         if mode == 0:
-            for j in range(hi - lo):
-                n[j] = o[j] ^ bits[j]
+            for j in range(c):
+                n[j] = o[j] ^ src[j]
         elif mode == 1:
-            for j in range(hi - lo):
-                n[j] = o[j] + bits[j]  # truncated to the element width by the store
-        else:
-            n[:] = bits
-        _nb_lanes_into(positions, o, n, width, 0, hi - lo, out[k])
+            for j in range(c):
+                n[j] = o[j] + src[j]  # truncated to the element width by the store
+        _nb_lanes_into(at_, o, n, width, 0, c, out[k])
     return -1
 
 
@@ -544,7 +686,7 @@ def _kernels():
             _nb_lanes_into = numba.njit(inline="always")(_lanes_into)
             _nb_address, _nb_carray = address_as, numba.carray
             jit = numba.njit(cache=True, nogil=True)
-            _KERNELS = {"range": jit(_range_kernel), "delta": jit(_delta_kernel),
+            _KERNELS = {"range": jit(_range_kernel), "runs": jit(_runs_kernel), "delta": jit(_delta_kernel),
                         "gather": jit(_gather_kernel)}
         return _KERNELS
 
@@ -569,6 +711,24 @@ def _numba_range(words: torch.Tensor, start: int, width: int, threads: bool, chu
 
         return sum(_pool("chunks").map(part, starts), ZERO)
     return sum(map(part, starts), ZERO)
+
+
+def _numba_runs(words: torch.Tensor, pieces: np.ndarray, width: int, chunk: int) -> Fingerprint:
+    """Groups of about ``chunk`` words on the chunk threads."""
+    runs_kernel = _kernels()["runs"]
+    w = _np_words(words, width)
+
+    def part(group: tuple[int, int]) -> Fingerprint:
+        out = np.zeros(4, dtype=np.uint64)
+        runs_kernel(w, pieces[group[0]:group[1]], width, out)
+        return Fingerprint(tuple(out.tolist()))
+
+    groups = _groups(pieces, chunk)
+    if len(groups) > 1:
+        from .changes import _pool
+
+        return sum(_pool("chunks").map(part, groups), ZERO)
+    return sum(map(part, groups), ZERO)
 
 
 def _numba_delta(idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor, width: int) -> Fingerprint:

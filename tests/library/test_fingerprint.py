@@ -27,6 +27,8 @@ from shared.fingerprint import (
     GatherItem,
     fingerprints,
     gather_updates,
+    one_run,
+    runs_fingerprint,
     state_fingerprint,
     state_fingerprint_of,
     tensor_fingerprint,
@@ -195,58 +197,121 @@ def test_batched_updates_split_over_threads(monkeypatch):
         fingerprint_deltas(items[:-1] + [(bad, *items[-1][1:])])
 
 
+def held_runs(numel: int, cuts: list[int], keep: list[bool], gap: int) -> np.ndarray:
+    """A rank's share of a tensor as :attr:`GatherItem.runs`: the tensor cut at ``cuts``, the
+    pieces kept where ``keep`` says, laid out in order in a parameter from ``gap`` with ``gap``
+    elements between them (another tensor's)."""
+    bounds = sorted({0, numel, *(min(c, numel) for c in cuts)})
+    rows, at = [], gap
+    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+        if keep[k % len(keep)]:
+            rows.append((a, b - a, at))
+            at += b - a + gap
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), numel=st.integers(0, 400), cuts=st.lists(st.integers(0, 400), max_size=12),
+       keep=st.lists(st.booleans(), min_size=1, max_size=5), gap=st.integers(0, 9), shuffle=st.booleans(),
+       backend=st.sampled_from(["numba", "torch"]), chunk=st.sampled_from([None, 1, 7]), seed=st.integers(0, 2**16))
+def test_runs_fingerprint_is_the_sum_of_its_runs(dtype, numel, cuts, keep, gap, shuffle, backend, chunk, seed):
+    """A rank's partial over its runs, in one call, is the sum of each run's fingerprint at its
+    global start, whatever the runs' order and the chunking; the ranks' partials add up to the
+    whole tensor's."""
+    runs = held_runs(numel, cuts, keep, gap)
+    rest = held_runs(numel, cuts, [not k for k in keep], 0)  # the other rank: the pieces not kept
+    tensor = random_tensor(dtype, (numel,), seed)
+    param = random_tensor(dtype, (int((runs[:, 1] + runs[:, 2]).max(initial=0)) + gap,), seed + 1)
+    for start, length, at in runs.tolist():
+        param[at:at + length] = tensor[start:start + length]
+    if shuffle:
+        runs = runs[np.random.default_rng(seed).permutation(len(runs))]
+    got = runs_fingerprint(param, runs, backend=backend, chunk=chunk)
+    assert got == sum((tensor_fingerprint(tensor[s:s + n], start=s) for s, n, _ in runs.tolist()), ZERO)
+    other = runs_fingerprint(tensor, np.stack([rest[:, 0], rest[:, 1], rest[:, 0]], axis=1), backend=backend)
+    assert (got + other).hex() == ref.fingerprint_hex(tensor)
+
+
+def test_runs_fingerprint_of_column_shards_and_refusals():
+    """Column shards of a matrix (a run per row, what a row-parallel layer's rank holds) add up
+    over ranks; a run outside the given elements is refused."""
+    t = random_tensor(torch.bfloat16, (12, 40), 5)
+    shards = [t[:, r * 10:(r + 1) * 10].contiguous().reshape(-1) for r in range(4)]
+    tables = [np.array([[row * 40 + r * 10, 10, row * 10] for row in range(12)]) for r in range(4)]
+    partials = [runs_fingerprint(s, rows) for s, rows in zip(shards, tables)]
+    assert sum(partials, ZERO) == tensor_fingerprint(t)
+    assert sum(partials[1:], ZERO) != tensor_fingerprint(t)
+    with pytest.raises(ValueError, match="runs outside the 120 elements"):
+        runs_fingerprint(shards[0], np.array([[0, 11, 110]]))
+    with pytest.raises(ValueError, match="negative"):
+        runs_fingerprint(shards[0], np.array([[-1, 2, 0]]))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(view=st.sampled_from([torch.int16, torch.int32, torch.uint8]),
-       tensors=st.lists(st.tuples(st.sampled_from(["xor", "add", "set"]), st.integers(1, 300), st.integers(0, 50),
-                                  st.sampled_from([0.0, 0.01, 0.3, 1.0])), min_size=1, max_size=4),
-       seed=st.integers(0, 2**16))
-def test_gathered_updates_are_the_gather_the_rule_and_the_fingerprint_change(view, tensors, seed):
-    """The replica's staging of tensors held as one run of a parameter, several in one call,
-    gives per tensor what the torch path and the reference give: the positions in the parameter,
-    its old bits there, the new bits by the codec's rule, and the fingerprint change of the
-    tensor."""
+       tensors=st.lists(st.tuples(st.sampled_from(["xor", "add", "set"]), st.integers(1, 300),
+                                  st.sampled_from([0.0, 0.01, 0.3, 1.0]), st.lists(st.integers(0, 300), max_size=8),
+                                  st.lists(st.booleans(), min_size=1, max_size=3), st.integers(0, 9)),
+                        min_size=1, max_size=4),
+       shuffle=st.booleans(), seed=st.integers(0, 2**16))
+def test_gathered_updates_are_the_gather_the_rule_and_the_fingerprint_change(view, tensors, shuffle, seed):
+    """The replica's staging of tensors held in one parameter, as one run or as a rank's runs,
+    several in one call, gives per tensor what plain torch gives: the positions held here, their
+    places in the parameter, its old bits there, the new bits by the codec's rule, and what the
+    write adds to the fingerprint of the elements held here (against the slow reference)."""
     g = torch.Generator().manual_seed(seed)
     items, befores = [], []
-    for k, (mode, numel, offset, fraction) in enumerate(tensors):
-        param = random_tensor(view, (offset + numel + 7,), seed + 2 * k)  # the tensor: [offset, offset + numel)
+    for k, (mode, numel, fraction, cuts, keep, gap) in enumerate(tensors):
+        runs = held_runs(numel, cuts, keep, gap)
+        param = random_tensor(view, (int((runs[:, 1] + runs[:, 2]).max(initial=0)) + 7,), seed + 2 * k)
         count = int(numel * fraction)
-        pos = torch.sort(torch.randperm(numel, generator=g)[:count]).values
-        items.append(GatherItem(param, offset, pos, random_tensor(view, (count,), seed + 2 * k + 1), mode))
-        befores.append(param[offset:offset + numel].clone())
+        pos = torch.randperm(numel, generator=g)[:count]
+        pos = pos if shuffle else torch.sort(pos).values
+        items.append(GatherItem(param, runs, numel, pos, random_tensor(view, (count,), seed + 2 * k + 1), mode))
+        befores.append(param.clone())
     staged = gather_updates(items)
     assert len(staged) == len(items)
     width = 8 * items[0].target.element_size()
-    for (param, offset, pos, bits, mode), before, (dest, old, new, lanes) in zip(items, befores, staged):
-        assert (dest.dtype, old.dtype, new.dtype, lanes.shape) == (torch.int64, view, view, (4,))
-        assert torch.equal(dest, pos + offset)
-        assert torch.equal(old, param[pos + offset]) and torch.equal(new, combine(mode, old, bits))
-        expected = [(x - y) % 2**64 for x, y in zip(ref.lanes_at(pos.tolist(), ref.words(new)[0], width),
-                                                    ref.lanes_at(pos.tolist(), ref.words(old)[0], width))]
-        assert lanes.tolist() == expected == list(fingerprint_delta(pos, old, new, width).lanes)
-        assert torch.equal(param[offset:offset + len(before)], before)  # staging writes nothing
+    for (param, runs, numel, pos, bits, mode), before, got in zip(items, befores, staged):
+        where = torch.full((numel,), -1, dtype=torch.int64)  # each element's place in the parameter
+        for start, length, at in runs.tolist():
+            where[start:start + length] = torch.arange(at, at + length)
+        here = where[pos] >= 0
+        held, dest = pos[here], where[pos][here]
+        assert (got.dest.dtype, got.old.dtype, got.new.dtype, got.lanes.shape) == (torch.int64, view, view, (4,))
+        assert torch.equal(got.positions, held) and torch.equal(got.dest, dest)
+        assert (got.positions is pos) == bool(here.all())  # all held: the caller's own positions
+        assert torch.equal(got.old, param[dest]) and torch.equal(got.new, combine(mode, got.old, bits[here]))
+        expected = [(x - y) % 2**64 for x, y in zip(ref.lanes_at(held.tolist(), ref.words(got.new)[0], width),
+                                                    ref.lanes_at(held.tolist(), ref.words(got.old)[0], width))]
+        assert got.lanes.tolist() == expected
+        assert torch.equal(param, before)  # staging writes nothing
         after = before.clone()
-        after[pos] = new
-        assert add_lanes([tensor_fingerprint(before).hex()], lanes[None]) == [tensor_fingerprint(after).hex()]
+        after[dest] = got.new
+        assert add_lanes([runs_fingerprint(before, runs).hex()], got.lanes[None]) == [runs_fingerprint(after, runs).hex()]
 
 
 def test_gathered_update_refusals():
     param, bits = torch.zeros(10, dtype=torch.int16), torch.zeros(2, dtype=torch.int16)
-    fine = GatherItem(torch.zeros(3, dtype=torch.int16), 0, torch.tensor([0, 2]), bits, "add")
-    for pos in ([3, 8], [-1, 2]):  # 8 lies past the 6 elements after offset 4
-        with pytest.raises(ValueError, match="item 1: positions outside the 6 elements after offset 4"):
-            gather_updates([fine, GatherItem(param, 4, torch.tensor(pos), bits, "xor")])
+    fine = GatherItem(torch.zeros(3, dtype=torch.int16), one_run(3), 3, torch.tensor([0, 2]), bits, "add")
+    for pos in ([3, 6], [-1, 2]):
+        with pytest.raises(ValueError, match="item 1: positions outside the tensor's 6 elements"):
+            gather_updates([fine, GatherItem(param, one_run(6, 4), 6, torch.tensor(pos), bits, "xor")])
+    for runs in ([[0, 6, 5]], [[0, 2, 0], [1, 2, 4]], [[2, 2, 0], [0, 2, 4]], [[0, 7, 0]], [[0, -1, 0]]):
+        with pytest.raises(ValueError, match="item 0: runs out of order, overlapping or outside the target's "
+                                             "10 elements or the tensor's 6"):
+            gather_updates([GatherItem(param, np.array(runs), 6, torch.tensor([0, 1]), bits, "xor")])
     with pytest.raises(ValueError, match="unknown rule"):
-        gather_updates([GatherItem(param, 0, torch.tensor([0, 1]), bits, "or")])
+        gather_updates([GatherItem(param, one_run(10), 10, torch.tensor([0, 1]), bits, "or")])
     with pytest.raises(ValueError, match="one 16-bit value per position"):
-        gather_updates([GatherItem(param, 0, torch.tensor([0, 1, 2]), bits, "xor")])
-    with pytest.raises(ValueError, match="offset 11 outside"):
-        gather_updates([GatherItem(param, 11, torch.tensor([0, 1]), bits, "xor")])
+        gather_updates([GatherItem(param, one_run(10), 10, torch.tensor([0, 1, 2]), bits, "xor")])
     with pytest.raises(ValueError, match="8-32-bit"):
-        gather_updates([GatherItem(torch.zeros(10, dtype=torch.int64), 0, torch.tensor([0, 1]), bits.long(), "set")])
+        gather_updates([GatherItem(torch.zeros(10, dtype=torch.int64), one_run(10), 10, torch.tensor([0, 1]),
+                                   bits.long(), "set")])
     with pytest.raises(ValueError, match="item 1: a flat 16-bit CPU tensor"):  # one element width per call
-        gather_updates([fine, GatherItem(param.int(), 0, torch.tensor([0, 1]), bits.int(), "set")])
+        gather_updates([fine, GatherItem(param.int(), one_run(10), 10, torch.tensor([0, 1]), bits.int(), "set")])
     with pytest.raises(ValueError, match="item 0: a flat 16-bit CPU tensor"):
-        gather_updates([GatherItem(param[::2], 0, torch.tensor([0, 1]), bits, "set")])
+        gather_updates([GatherItem(param[::2], one_run(5), 5, torch.tensor([0, 1]), bits, "set")])
     assert torch.equal(param, torch.zeros(10, dtype=torch.int16))
     with pytest.raises(ValueError, match="64 hex digits"):
         add_lanes(["ab" * 8], np.zeros((1, 4), np.uint64))
@@ -256,14 +321,16 @@ def test_gathered_update_refusals():
         add_lanes(["xy" * 32], np.zeros((1, 4), np.uint64))
 
 
-def test_gathered_updates_take_int32_positions_and_strided_bits():
-    """Positions of another integer type and bits that are a strided view are copied first, so
-    the kernel reads what the caller passed, not neighbouring memory."""
+def test_gathered_updates_take_int32_positions_strided_bits_and_other_run_tables():
+    """Positions of another integer type, bits that are a strided view and a run table of
+    another integer type are copied first, so the kernel reads what the caller passed, not
+    neighbouring memory."""
     param = torch.arange(20, dtype=torch.int16)
     bits = torch.arange(100, 120, dtype=torch.int16)[::5]  # 100, 105, 110, 115
     positions = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
-    [(dest, old, new, _)] = gather_updates([GatherItem(param, 2, positions, bits, "set")])
-    assert dest.tolist() == [2, 5, 7, 11] and old.tolist() == [2, 5, 7, 11] and new.tolist() == [100, 105, 110, 115]
+    [got] = gather_updates([GatherItem(param, one_run(10, 2).astype(np.int32), 10, positions, bits, "set")])
+    assert got.dest.tolist() == [2, 5, 7, 11] and got.old.tolist() == [2, 5, 7, 11]
+    assert got.new.tolist() == [100, 105, 110, 115]
     assert gather_updates([]) == []
 
 
