@@ -635,8 +635,10 @@ def _gather_kernel(table, bounds, width, held, dest, old, new, counts, out):  # 
             for j in range(hi - lo if last >= 0 else 0):
                 p = positions[j]
                 if p < runs[r, 0] or p >= runs[r, 0] + runs[r, 1]:  # not the current run
+                    if r < last and runs[r, 0] + runs[r, 1] <= p < runs[r + 1, 0]:
+                        continue  # in the gap after it: another rank's (positions come sorted)
                     if r < last and runs[r + 1, 0] <= p < runs[r + 1, 0] + runs[r + 1, 1]:
-                        r += 1  # the next one (positions come sorted)
+                        r += 1  # the next one
                     else:  # by bisection: the last run starting at or before p
                         a, b = 0, last + 1
                         while b - a > 1:
