@@ -157,7 +157,7 @@ class LiveWeights:
         self.audit_every = audit_every
         self._audit_order = sorted(live.map.tensors)
         self._audit_next = 0
-        self._gather_at: dict[str, tuple[torch.Tensor, np.ndarray, int] | None] = {}  # see _gather_item
+        self._gather_at: dict[str, tuple[torch.Tensor, torch.Tensor, int] | None] = {}  # see _gather_item
 
     # ------------------------------------------------------------------ reading
     def digest(self, name: str) -> str:
@@ -312,7 +312,7 @@ class LiveWeights:
             flat = self.live.flats[tables[0][0]] if len(tables) == 1 else None
             fits = flat is not None and flat.is_cpu and flat.dtype == dtype and flat.element_size() <= 4
             numel = self.live.map.tensors[change.name].numel
-            self._gather_at[change.name] = (_bits(flat), tables[0][1], numel) if fits else None
+            self._gather_at[change.name] = (_bits(flat), torch.from_numpy(tables[0][1]), numel) if fits else None
         at = self._gather_at[change.name]
         return None if at is None else GatherItem(*at, change.positions, change.bits, change.mode)
 

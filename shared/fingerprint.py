@@ -286,16 +286,16 @@ class GatherItem(NamedTuple):
     ``(start, length, at)`` of ``runs`` and ``0 <= i < length``."""
 
     target: torch.Tensor  # flat 8-32-bit integer view of a CPU parameter
-    runs: np.ndarray  # int64 (R, 3), by start, disjoint; a position in none is another rank's
+    runs: torch.Tensor  # int64 (R, 3) on the CPU, by start, disjoint; a position in none is another rank's
     numel: int  # the tensor's elements
     positions: torch.Tensor  # int64, the tensor's flat indices
     bits: torch.Tensor  # one value per position, as wide as the target's elements
     mode: str  # the codec's rule for the new bits (shared.codec.combine)
 
 
-def one_run(numel: int, at: int = 0) -> np.ndarray:
+def one_run(numel: int, at: int = 0) -> torch.Tensor:
     """The :attr:`GatherItem.runs` of a tensor held whole at ``target[at:at + numel]``."""
-    return np.array([[0, numel, at]], dtype=np.int64)
+    return torch.tensor([[0, numel, at]], dtype=torch.int64)
 
 
 class Gathered(NamedTuple):
@@ -334,20 +334,21 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
                 or bits.numel() != positions.numel():
             raise ValueError(f"item {k}: one {width}-bit value per position: {positions.numel()} positions, "
                              f"{bits.dtype} {tuple(bits.shape)}")
-        if positions.dtype != torch.int64 or not positions.is_cpu or not positions.is_contiguous():
+        if positions.dtype is not torch.int64 or not positions.is_cpu or not positions.is_contiguous():
             positions = positions.to("cpu", torch.int64).contiguous()
             keep.append(positions)
         if not bits.is_cpu or not bits.is_contiguous():
             bits = bits.cpu().contiguous()
             keep.append(bits)
-        if runs.dtype != np.int64 or runs.ndim != 2 or runs.shape[1] != 3 or not runs.flags.c_contiguous:
-            runs = np.ascontiguousarray(runs, dtype=np.int64).reshape(-1, 3)
+        if not isinstance(runs, torch.Tensor) or runs.dtype is not torch.int64 or not runs.is_cpu \
+                or not runs.is_contiguous() or runs.dim() != 2 or runs.size(1) != 3:
+            runs = torch.as_tensor(np.asarray(runs), dtype=torch.int64).reshape(-1, 3).contiguous()
             keep.append(runs)
         rule = _RULES.get(mode)
         if rule is None:
             raise ValueError(f"item {k}: unknown rule {mode!r} (one of {sorted(_RULES)})")
         rows.append((target.data_ptr(), target.numel(), positions.data_ptr(), bits.data_ptr(),
-                     runs.ctypes.data, runs.shape[0], numel, rule))
+                     runs.data_ptr(), runs.size(0), numel, rule))
         bounds.append(bounds[-1] + positions.numel())
     u = _UNSIGNED_NP[width]
     total = bounds[-1]
@@ -365,13 +366,19 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
                              f"{rows[k][1]} elements or the tensor's {rows[k][6]}")
         raise ValueError(f"item {k}: positions outside the tensor's {rows[k][6]} elements")
     # one split each, not slices per item: item k's outputs are the first counts[k] of its span
-    sizes = [s for k, c in enumerate(counts.tolist()) for s in (c, bounds[k + 1] - bounds[k] - c)]
-    signed = _NP_SIGNED[size]
-    held_t, dest_t = torch.from_numpy(held).split(sizes)[::2], torch.from_numpy(dest).split(sizes)[::2]
-    old_t = torch.from_numpy(old.view(signed)).split(sizes)[::2]
-    new_t = torch.from_numpy(new.view(signed)).split(sizes)[::2]
-    return [Gathered(item.positions if c == item.positions.numel() else h, d, o, n, ln)
-            for item, c, h, d, o, n, ln in zip(items, counts.tolist(), held_t, dest_t, old_t, new_t, lanes)]
+    signed, counts_ = _NP_SIGNED[size], counts.tolist()
+    spans = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if counts_ == spans:  # every position held here (always on one rank): the callers' own positions
+        held_t, step = [item.positions for item in items], 1
+        sizes = spans
+    else:
+        sizes, step = [s for c, n in zip(counts_, spans) for s in (c, n - c)], 2
+        held_t = [item.positions if c == n else h for item, c, n, h in
+                  zip(items, counts_, spans, torch.from_numpy(held).split(sizes)[::2])]
+    dest_t = torch.from_numpy(dest).split(sizes)[::step]
+    old_t = torch.from_numpy(old.view(signed)).split(sizes)[::step]
+    new_t = torch.from_numpy(new.view(signed)).split(sizes)[::step]
+    return list(map(Gathered, held_t, dest_t, old_t, new_t, lanes))
 
 
 def delta_lanes(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], width: int) -> np.ndarray:

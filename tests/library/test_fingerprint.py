@@ -328,7 +328,7 @@ def test_gathered_updates_take_int32_positions_strided_bits_and_other_run_tables
     param = torch.arange(20, dtype=torch.int16)
     bits = torch.arange(100, 120, dtype=torch.int16)[::5]  # 100, 105, 110, 115
     positions = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
-    [got] = gather_updates([GatherItem(param, one_run(10, 2).astype(np.int32), 10, positions, bits, "set")])
+    [got] = gather_updates([GatherItem(param, one_run(10, 2).to(torch.int32), 10, positions, bits, "set")])
     assert got.dest.tolist() == [2, 5, 7, 11] and got.old.tolist() == [2, 5, 7, 11]
     assert got.new.tolist() == [100, 105, 110, 115]
     assert gather_updates([]) == []
