@@ -164,41 +164,6 @@ def _chunks(numel: int, max_fraction: float) -> list[tuple[int, int, int]]:
             for s in range(0, numel, CHUNK_ELEMENTS)]
 
 
-def changes_and_xor(old: torch.Tensor, new: torch.Tensor, xor: np.ndarray,
-                    max_fraction: float = 1 / 16) -> tuple[Changes | None, int]:
-    """One pass for a tensor expected to change densely: every element's XOR into ``xor``, the
-    snapshot ``old`` refreshed to ``new``, and how many differ; with the :class:`Changes` a
-    scan finds (None when dense by the same per-chunk rule), taken chunk by chunk from the XOR
-    while it is in cache (a scan of it against zeros: numpy's ``flatnonzero`` was 3-4x slower
-    than this whole pass)."""
-    from .kernels import scan_changes, xor_refresh
-
-    o, n = unsigned_view(old), unsigned_view(new)
-    if n.shape != o.shape or xor.shape != o.shape or n.dtype != o.dtype or xor.dtype != o.dtype:
-        raise ValueError(f"one shape and bit width: {o.shape}/{o.dtype}, {n.shape}/{n.dtype}, {xor.shape}/{xor.dtype}")
-    zeros = getattr(_SCRATCH, "zeros_" + o.dtype.str, None)
-    if zeros is None:
-        zeros = np.zeros(CHUNK_ELEMENTS, o.dtype)
-        setattr(_SCRATCH, "zeros_" + o.dtype.str, zeros)
-    parts: list[tuple[np.ndarray, np.ndarray]] | None = []
-    total = 0
-    for start, stop, cap in _chunks(o.shape[0], max_fraction):
-        count = int(xor_refresh(o[start:stop], n[start:stop], xor[start:stop], True))
-        total += count
-        if parts is not None and count > cap:
-            parts = None
-        elif parts is not None and count:
-            pos, x = np.empty(count, np.int64), np.empty(count, o.dtype)
-            scan_changes(xor[start:stop], zeros[:stop - start], pos, x, start, False)
-            parts.append((pos, x))
-    if parts is None:
-        return None, total
-    if len(parts) == 1:
-        return Changes(*parts[0]), total
-    return Changes(np.concatenate([p for p, _ in parts] or [np.empty(0, np.int64)]),
-                   np.concatenate([x for _, x in parts] or [np.empty(0, o.dtype)])), total
-
-
 def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
                  max_fraction: float = 1 / 16, threads: bool = True, backend: str = "auto") -> Changes | None:
     """Positions and XOR of the elements whose bits differ.

@@ -56,7 +56,7 @@ import safetensors.torch
 import torch
 from pydantic import BaseModel, ValidationError
 
-from .changes import (INT_VIEW, SIGNED_NP, UNSIGNED_NP, Changes, changes_and_xor, find_changes, map_balanced,
+from .changes import (INT_VIEW, SIGNED_NP, UNSIGNED_NP, Changes, find_changes, map_balanced,
                       unsigned_view)
 from .entropy import (
     ALPHABET,
@@ -395,15 +395,6 @@ def dense_change(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
     if out is None:
         out = np.empty_like(o)
     return DenseChange(out, int(xor_refresh(o, n, out, update)))
-
-
-def dense_change_again(old: torch.Tensor, new: torch.Tensor, out: np.ndarray) -> DenseChange | Changes:
-    """The change of a tensor that changed densely last version (a trainer's first Adam steps,
-    a high learning rate), whose scan would most likely stop at its cap and be taken back: the
-    dense pass at once, refreshing ``old``, and if the change is not dense after all the
-    :class:`Changes` a scan would have found (:func:`~shared.changes.changes_and_xor`)."""
-    changes, count = changes_and_xor(old, new, out)
-    return DenseChange(out, count) if changes is None else changes
 
 
 def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,

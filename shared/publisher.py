@@ -37,7 +37,6 @@ from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_fo
 from .changes import (
     INT_VIEW,
     THREADS_FROM_CHANGES,
-    UNSIGNED_NP,
     Changes,
     find_changes,
     find_changes_many,
@@ -55,7 +54,6 @@ from .codec import (
     anchor_header,
     build_delta,
     dense_change,
-    dense_change_again,
     detect_tensor,
     encode_changes,
     encode_found,
@@ -73,7 +71,13 @@ from .lock import WriterLock
 from .stores import Store, open_store
 
 log = logging.getLogger("deltasync.publisher")
-_ENCODED_FIELDS = frozenset({"kind", "payload_bytes", "commitment", "state_fingerprint", "state_digest", "encoder_s"})
+_ENCODED_FIELDS = frozenset({"kind", "changed", "int32_bf16_bytes", "payload_bytes", "commitment", "state_fingerprint",
+                             "state_digest", "encoder_s"})
+# A tensor that changed in more than this share of its elements last version is "busy": publish()
+# copies its new bits into a spare buffer and swaps it with the snapshot, and the encoder thread
+# finds the change from the two (a scan that records many changes, or a dense change's XOR pass,
+# costs the training loop 1.5-3x the copy).
+BUSY_FRACTION = 1 / 64
 DIGESTS = ("every", "anchors")
 
 
@@ -140,13 +144,26 @@ class PublishError(RuntimeError):
 
 
 @dataclass
+class _Copied:
+    """A busy tensor's new bits copied into the snapshot at publish(); ``old``: its old bits (the
+    spare buffer the copy swapped out), for the encoder to find the change from."""
+
+    old: torch.Tensor
+
+
+@dataclass
 class _Found:
     """One version's detection, for the encoder: per tensor its encoding, or its changes still
     to encode from the snapshot."""
 
     version: int
-    found: dict[str, EncodedTensor | Changes | DenseChange]
+    found: dict[str, EncodedTensor | Changes | DenseChange | _Copied]
     report: PublishReport
+    host: bool  # detected on the host (publish() copies busy tensors there), not where the weights live
+
+
+def _changed(found: EncodedTensor | Changes | DenseChange) -> int:
+    return found.entry.changed if isinstance(found, EncodedTensor) else found.count
 
 
 def _encode_work(found: EncodedTensor | Changes | DenseChange, snapshot: torch.Tensor) -> int:
@@ -227,8 +244,7 @@ class DeltaPublisher:
         self.reports: list[PublishReport] = []
         self._snapshot = {n: self._cast(t).clone() for n, t in self._live().items()}
         self._device_snapshot: dict[str, torch.Tensor] = {}  # name -> bf16 copy where the weights live
-        self._cast_buffers: dict[str, torch.Tensor] = {}  # name -> bf16 cast of its fp32 host weights, while dense
-        self._xor_buffers: dict[str, np.ndarray] = {}  # name -> its XOR, while it changes densely
+        self._spare: dict[str, torch.Tensor] = {}  # name -> a second snapshot buffer, while the tensor is busy
         self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
         self._fingerprints = fingerprints_of(self._snapshot)  # then kept up to date in O(changes)
         self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
@@ -280,22 +296,18 @@ class DeltaPublisher:
         self._wait_encoder()  # the snapshot is the encoder's until it is done with the last version
         names = sorted(self._snapshot)
         sizes = [self._snapshot[n].numel() * self._snapshot[n].element_size() for n in names]
+        host = self.detect == "numba" or (self.detect == "auto" and all(t.device.type == "cpu" for t in live.values()))
         with torch.no_grad():
-            if self.detect == "numba" or (self.detect == "auto" and all(t.device.type == "cpu" for t in live.values())):
+            if host:
                 found = map_batches(lambda batch: self._detect_host(batch, live), names, sizes)
-                for n, f in zip(names, found):  # buffers only for what is dense now: the next guess
-                    if not isinstance(f, DenseChange):
-                        self._xor_buffers.pop(n, None)
-                        self._cast_buffers.pop(n, None)
             else:
                 found = map_balanced(lambda n: self._encode_where(n, live[n]), names, sizes)
-        changed = sum(f.entry.changed if isinstance(f, EncodedTensor) else f.count for f in found)
-        report = PublishReport(version=version, kind="delta", changed=changed,
+        report = PublishReport(version=version, kind="delta", changed=0,  # counted by the encoder
                                numel=sum(self._snapshot[n].numel() for n in names), payload_bytes=0,
-                               dense_bytes=self._dense_bytes, int32_bf16_bytes=6 * changed, encode_s=0.0)
+                               dense_bytes=self._dense_bytes, int32_bf16_bytes=0, encode_s=0.0)
         self.version = version
         self._encoder_idle.clear()
-        self._encode_queue.put(_Found(version, dict(zip(names, found)), report))
+        self._encode_queue.put(_Found(version, dict(zip(names, found)), report, host))
         report.encode_s = time.perf_counter() - t0
         return report
 
@@ -366,58 +378,51 @@ class DeltaPublisher:
         return (t.cpu() if host else t).contiguous()
 
     def _detect_host(self, names: list[str],
-                     live: Mapping[str, torch.Tensor]) -> list[EncodedTensor | Changes | DenseChange]:
+                     live: Mapping[str, torch.Tensor]) -> list[EncodedTensor | Changes | _Copied]:
         """Host tensors' changes against the snapshot, which they refresh in place: the host
         tensors that need no cast, and fp32 weights published as bf16 (the cast inside the
-        compare), in one kernel call each; the rest (another dtype or layout, NaN weights, a
-        dense change) one by one. A tensor that changed densely last version (it has an XOR
-        buffer) goes to the dense pass without a scan."""
+        compare), in one kernel call each; the rest (another dtype or layout, NaN weights) one by
+        one. A busy tensor (it has a spare buffer) and one whose scan found it dense are copied
+        instead (:meth:`_copy_in`), and the encoder finds their change."""
         cast = self.dtype == torch.bfloat16
         to_cast = {n for n in names if cast and live[n].dtype == torch.float32}
-        again = {n for n in names if n in self._xor_buffers and scannable(self._snapshot[n], live[n], n in to_cast)}
-        fused = [n for n in names if n in to_cast and n not in again]
-        plain = [n for n in names if live[n].dtype == self._snapshot[n].dtype and n not in again]
+        busy = {n for n in names if n in self._spare and scannable(self._snapshot[n], live[n], n in to_cast)}
+        fused = [n for n in names if n in to_cast and n not in busy]
+        plain = [n for n in names if live[n].dtype == self._snapshot[n].dtype and n not in busy]
         found = dict(zip(fused, find_changes_many([(self._snapshot[n], live[n]) for n in fused], update=True,
                                                   cast=True)))
         found.update(zip(plain, find_changes_many([(self._snapshot[n], live[n]) for n in plain],
                                                   update=True)))
-        found.update((n, dense_change_again(self._snapshot[n], self._cast_reused(n, live[n]), self._xor_buffers[n]))
-                     for n in again)
+        found.update((n, None) for n in busy)
         return [self._detected(n, found.get(n, False), live[n]) for n in names]
 
     def _detected(self, name: str, changes: Changes | None | bool,
-                  live: torch.Tensor) -> EncodedTensor | Changes | DenseChange:
-        """What :meth:`_detect_host` found for one tensor: its changes, its dense change (None:
-        one more pass), or with no result (False) the one-tensor path, which casts with torch
-        where needed."""
+                  live: torch.Tensor) -> EncodedTensor | Changes | _Copied:
+        """What :meth:`_detect_host` found for one tensor: its changes, a copy for the encoder
+        (None: busy, or dense, whose scan stopped at its cap and left the snapshot as it was), or
+        with no result (False) the one-tensor path, which casts with torch where needed."""
         snap = self._snapshot[name]
-        if isinstance(changes, DenseChange):
-            return changes
-        if changes is None:  # dense: the XOR into a buffer kept per tensor (the encoder is done with
-            # it before the next publish() detects; a fresh one costs a page fault per 4 KiB)
-            buf = self._xor_buffers.get(name)
-            if buf is None:
-                buf = self._xor_buffers[name] = np.empty(snap.numel(), UNSIGNED_NP[INT_VIEW[snap.dtype]])
-            return dense_change(snap, self._cast_reused(name, live), update=True, out=buf)
+        if changes is None:
+            return self._copy_in(name, live)
         if changes is not False:
             if changes.count:
                 return changes
             return EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape),
                                              digest=self._digests[name]), {})
-        return detect_tensor(name, snap, self._cast_reused(name, live), update=True,
-                             threads=False, same_digest=self._digests[name])
+        return detect_tensor(name, snap, self._cast(live), update=True, threads=False,
+                             same_digest=self._digests[name])
 
-    def _cast_reused(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``_cast`` into a buffer kept per tensor while it changes densely: a fresh tensor-sized
-        cast every version costs a page fault per 4 KiB (slow in a VM), and its bits are only
-        compared, never kept."""
-        t = t.detach()
-        if self.dtype is None or not t.is_floating_point() or t.dtype == self.dtype or t.device.type != "cpu":
-            return self._cast(t)
-        buf = self._cast_buffers.get(name)
-        if buf is None or buf.shape != t.shape:
-            buf = self._cast_buffers[name] = torch.empty(t.shape, dtype=self.dtype)
-        return buf.copy_(t)
+    def _copy_in(self, name: str, live: torch.Tensor) -> _Copied:
+        """The live bits (cast as :meth:`_cast` does) copied into the tensor's spare buffer, which
+        becomes the snapshot; the old snapshot becomes the spare, holding the old bits until the
+        encoder is done with them (before the next publish() copies into it again). A first
+        spare costs a page fault per 4 KiB, the same as the XOR buffer a dense pass would need."""
+        spare = self._spare.get(name)
+        if spare is None:
+            spare = torch.empty_like(self._snapshot[name])
+        spare.copy_(live.detach())
+        self._snapshot[name], self._spare[name] = spare, self._snapshot[name]
+        return _Copied(self._spare[name])
 
     def _wait_encoder(self, raise_error: bool = True) -> None:
         self._encoder_idle.wait()
@@ -449,6 +454,9 @@ class DeltaPublisher:
         wants one) and advance the chain's commitment."""
         t0 = time.perf_counter()
         names = list(job.found)
+        self._resolve_copies(job.found, job.host)
+        changed = sum(_changed(f) for f in job.found.values())
+        job.report.changed, job.report.int32_bf16_bytes = changed, 6 * changed  # set, not read: that waits for this
 
         new_at = {n: gather_new(self._snapshot[n], f) for n, f in job.found.items() if isinstance(f, Changes)}
         fingerprints = self._sparse_fingerprints(job.found, new_at)
@@ -495,6 +503,37 @@ class DeltaPublisher:
         report.state_fingerprint, report.state_digest = header.state_fingerprint, header.state_digest
         report.encoder_s = time.perf_counter() - t0
         return _Job(header, objects, refs, report, tmp)
+
+    def _resolve_copies(self, found: dict[str, EncodedTensor | Changes | DenseChange | _Copied], host: bool) -> None:
+        """The changes of the tensors publish() copied, in place of their :class:`_Copied`: a scan
+        of the old bits against the snapshot (one kernel call per batch), and where that finds the
+        change dense, the XOR written over the old bits, which are not needed after it. Then the
+        spares follow what each tensor did: kept (or, for a tensor that just got busy, made and
+        touched here, off the training loop) while it changes in more than
+        :data:`BUSY_FRACTION` of its elements, dropped when it calms down."""
+        copied = [n for n, f in found.items() if isinstance(f, _Copied)]
+
+        def scan(batch: list[str]) -> list[Changes | None | bool]:
+            pairs = [(found[n].old, self._snapshot[n]) for n in batch]
+            return [find_changes(*pair, threads=False) if got is False else got
+                    for pair, got in zip(pairs, find_changes_many(pairs))]
+
+        for n, changes in zip(copied, map_batches(scan, copied, [self._snapshot[n].numel() for n in copied],
+                                                  serial_below=THREADS_FROM_CHANGES)):
+            snap = self._snapshot[n]
+            if changes is None:
+                found[n] = dense_change(found[n].old, snap, out=unsigned_view(found[n].old))
+            elif changes.count:
+                found[n] = changes
+            else:
+                found[n] = EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape),
+                                                     digest=self._digests[n]), {})
+        for n, f in found.items():
+            snap = self._snapshot[n]
+            if _changed(f) <= BUSY_FRACTION * snap.numel():
+                self._spare.pop(n, None)
+            elif host and n not in self._spare and scannable(snap, snap):
+                self._spare[n] = torch.zeros_like(snap)
 
     def _sparse_fingerprints(self, found: Mapping[str, EncodedTensor | Changes | DenseChange],
                              new_at: Mapping[str, np.ndarray]) -> dict[str, str]:

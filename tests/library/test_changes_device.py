@@ -158,8 +158,9 @@ def assert_same_chains(tmp_path, pubs: dict[str, DeltaPublisher], versions: int)
 
 def test_publisher_torch_path_mixed_state(tmp_path):
     """bf16 and f32 tensors with sparse changes and specials, dense changes two versions in a
-    row (the publisher then skips the scan and reuses its XOR buffer), followed by no change or
-    a sparse one, an integer buffer."""
+    row (the second time the publisher copies the tensor without a scan, and its encoder finds
+    the change), followed by no change or a sparse one, an integer buffer; a spare buffer is
+    held after the last version only for the tensor that changed in more than 1/64 of it."""
     live = bits_state(11, {"a.weight": ((300, 64), torch.bfloat16), "b.weight": ((2000,), torch.float32),
                            "c.norm": ((64,), torch.bfloat16), "e.weight": ((300, 64), torch.bfloat16)})
     live["d.steps"] = torch.arange(10, dtype=torch.int64)
@@ -185,13 +186,15 @@ def test_publisher_torch_path_mixed_state(tmp_path):
         assert same_bits(state, s) and header.state_digest == state_digest(s)
     assert pubs["torch"]._device_snapshot.keys() == live.keys()
     assert same_bits(pubs["torch"]._device_snapshot, live) and same_bits(pubs["torch"]._snapshot, live)
-    assert not pubs["numba"]._xor_buffers  # held only while a tensor changes densely
+    last = {n: int(torch.count_nonzero(states[-2][n].view(-1).view(INT.get(t.dtype, t.dtype)) !=
+                                      states[-1][n].view(-1).view(INT.get(t.dtype, t.dtype)))) for n, t in live.items()}
+    assert set(pubs["numba"]._spare) == {n for n, k in last.items() if k > live[n].numel() / 64} == {"b.weight"}
 
 
 def test_publisher_fp32_weights_dense_then_sparse(tmp_path):
     """fp32 weights published as bf16 that change densely two versions in a row (the second
-    without a scan, through the publisher's cast and XOR buffers), then sparsely, then not at
-    all: the same chain as the torch path, every version exact, and no buffer left held."""
+    without a scan: cast into the publisher's spare buffer), then sparsely, then not at all: the
+    same chain as the torch path, every version exact, and no buffer left held."""
     g = torch.Generator().manual_seed(12)
     live = {"a.weight": torch.randn(300, 64, generator=g), "b.weight": torch.randn(2000, generator=g)}
 
@@ -210,7 +213,46 @@ def test_publisher_fp32_weights_dense_then_sparse(tmp_path):
     for v, s in enumerate(states):
         state, _ = reconstruct(chain, v)
         assert same_bits(state, {n: t.to(torch.bfloat16) for n, t in s.items()})
-    assert not pubs["numba"]._xor_buffers and not pubs["numba"]._cast_buffers
+    assert not pubs["numba"]._spare
+
+
+@pytest.mark.parametrize("per_chunk", [[0.0, 0.0], [0.001, 0.01], [0.05, 0.05], [0.07, 0.01], [0.2, 0.2]],
+                         ids=["none", "sparse", "sparse-above-one-cap", "one-chunk-dense", "dense"])
+def test_publisher_busy_tensor_follows_the_per_chunk_rule(tmp_path, per_chunk):
+    """A tensor busy since a dense change (publish() copies it, the encoder finds the change from
+    the old and new bits): over two chunks the dense rule is per chunk, so 5% + 5% is sparse and
+    7% + 1% dense, as a scan says; the chain is the torch path's, every version rebuilds exactly,
+    and the spare buffer is held only while the tensor is busy."""
+    rng = np.random.default_rng(2)
+    live = {"t": torch.from_numpy(rng.integers(0, 1 << 16, 2 * CHUNK_ELEMENTS, dtype=np.uint16).view(np.int16))
+            .view(torch.bfloat16)}
+    pubs = {d: DeltaPublisher(live, str(tmp_path / d), detect=d, dtype=None, keep_anchors=100,
+                              policy=AnchorPolicy(max_deltas=3)) for d in ("numba", "torch")}
+    states, expected, busy = [live["t"].clone()], [], []
+    for fractions in ([0.2, 0.2], per_chunk, [0.0, 0.0]):
+        flat = live["t"].view(torch.int16).numpy().view(np.uint16)
+        for c, fraction in enumerate(fractions):
+            at = c * CHUNK_ELEMENTS + rng.choice(CHUNK_ELEMENTS, int(CHUNK_ELEMENTS * fraction), replace=False)
+            flat[at] ^= rng.integers(1, 1 << 16, at.shape[0], dtype=np.uint16)
+        expected.append((find_changes(states[-1], live["t"]) is None,
+                         int(torch.count_nonzero(states[-1].view(torch.int16) != live["t"].view(torch.int16)))))
+        for p in pubs.values():
+            p.publish()
+        pubs["numba"].flush()
+        busy.append("t" in pubs["numba"]._spare)
+        states.append(live["t"].clone())
+    for p in pubs.values():
+        p.close()
+    chain = assert_same_chains(tmp_path, pubs, versions=3)
+    for v, s in enumerate(states):
+        state, _ = reconstruct(chain, v)
+        assert same_bits(state, {"t": s})
+    deltas = sorted(open_store(tmp_path / "numba").list("deltas"))
+    for (dense, count), report, key in zip(expected, pubs["numba"].reports[1:], deltas):
+        assert report.changed == count
+        entry = DeltaFile.from_bytes(open_store(tmp_path / "numba").get(key)).header.tensors["t"]
+        assert entry.changed == count and (entry.positions == "all") == (dense and count > 0)
+    assert busy == [True, sum(per_chunk) / 2 > 1 / 64, False]
 
 
 @pytest.mark.parametrize("compact", [False, True])
