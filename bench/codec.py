@@ -13,7 +13,10 @@ snapshot and the new weights once each, which any compare must do ("memcpy/read"
 of the touched tensors, fingerprints in O(changes), entropy coding, the delta file) is reported
 beside it: it runs while the next step trains, but it is CPU the trainer's host spends per version.
 "same, digests at anchors" is that for ``DeltaPublisher(digests="anchors")``, which hashes no
-tensor whole for a delta (its work is O(changes)).
+tensor whole for a delta (its work is O(changes)). "same, copy_from=0" is ``publish()`` of
+publishers that copy every tensor (``DeltaPublisher(copy_from=0)``: a second snapshot in host
+memory) and find every change in the encoder thread; the default copies only busy tensors.
+The read floor does not bind those: a copy reads the new weights once and writes the snapshot.
 
 Cases run with torch's OpenMP workers spinning as briefly as in the trainer Space
 (:mod:`shared.openmp`), unless ``--libgomp-spin``: then, as in a trainer that leaves libgomp's
@@ -109,14 +112,19 @@ def run_case(case: Case) -> dict:
     # what a trainer publishes: a bf16 model (its tensors updated in place each step), and fp32
     # master weights cast by the publisher; anchors only at genesis, so every step times a delta
     bf16_model = {n: t.clone() for n, t in snap.items()}
-    stores = [tempfile.TemporaryDirectory(prefix="bench-codec-") for _ in range(3)]
+    stores = [tempfile.TemporaryDirectory(prefix="bench-codec-") for _ in range(5)]
     publishers = {"bf16": DeltaPublisher(bf16_model, stores[0].name, keep_anchors=10**6,
                                          policy=AnchorPolicy(catchup_fraction=1e9)),
                   "fp32": DeltaPublisher(live, stores[1].name, keep_anchors=10**6,
                                          policy=AnchorPolicy(catchup_fraction=1e9)),
                   # blake3 digests only at anchors: the encoder thread's work is O(changes)
                   "bf16_anchors": DeltaPublisher(bf16_model, stores[2].name, keep_anchors=10**6, digests="anchors",
-                                                 policy=AnchorPolicy(catchup_fraction=1e9))}
+                                                 policy=AnchorPolicy(catchup_fraction=1e9)),
+                  # every tensor copied at publish(), every change found in the encoder thread
+                  "bf16_copy": DeltaPublisher(bf16_model, stores[3].name, keep_anchors=10**6, copy_from=0.0,
+                                              policy=AnchorPolicy(catchup_fraction=1e9)),
+                  "fp32_copy": DeltaPublisher(live, stores[4].name, keep_anchors=10**6, copy_from=0.0,
+                                              policy=AnchorPolicy(catchup_fraction=1e9))}
     numel = sum(t.numel() for t in snap.values())
     dense = sum(t.numel() * t.element_size() for t in snap.values())
     dense_file = safetensors.torch.save(snap)
@@ -196,10 +204,13 @@ def run_case(case: Case) -> dict:
             "encode_vs_memcpy": copy_s / encode_s, "digest_GBps": dense / digest_s / 1e9,
             "publish_bf16_s": hold["bf16"], "publish_fp32_s": hold["fp32"], "memcpy_s": copy_s,
             "publish_bf16_vs_memcpy": copy_s / hold["bf16"], "publish_fp32_vs_memcpy": copy_s / hold["fp32"],
+            "publish_bf16_copy_s": hold["bf16_copy"], "publish_fp32_copy_s": hold["fp32_copy"],
+            "publish_bf16_copy_vs_memcpy": copy_s / hold["bf16_copy"],
+            "publish_fp32_copy_vs_memcpy": copy_s / hold["fp32_copy"],
             "read_bf16_s": read_bf16_s, "read_fp32_s": read_fp32_s,
             "read_bf16_vs_memcpy": copy_s / read_bf16_s, "read_fp32_vs_memcpy": copy_s / read_fp32_s,
             "encoder_bf16_s": behind["bf16"], "encoder_fp32_s": behind["fp32"],
-            "encoder_bf16_anchors_s": behind["bf16_anchors"],
+            "encoder_bf16_anchors_s": behind["bf16_anchors"], "encoder_bf16_copy_s": behind["bf16_copy"],
             "apply_s": apply_s, "dense_load_s": dense_s, "index_copy_s": floor_s,
             "compact_B_per_change": len(compact) / max(changed, 1),
             "compact_encode_GBps": dense / compact_encode_s / 1e9, "compact_apply_s": compact_apply_s,
@@ -246,6 +257,7 @@ def report(results: list[dict]) -> None:
                         "index_copy_")
     for col in ["case", "encode GB/s", "memcpy GB/s", "encode/memcpy", "publish bf16 ms", "publish fp32 ms",
                 "encoder thread bf16 ms", "same, digests at anchors", "memcpy/publish bf16", "memcpy/publish fp32",
+                "same, copy_from=0: bf16", "fp32",
                 "memcpy/read bf16", "memcpy/read fp32",
                 "digest GB/s", "apply ms",
                 "dense load ms", "index_copy_ ms", "apply/index_copy_", "apply/dense",
@@ -263,7 +275,8 @@ def report(results: list[dict]) -> None:
                       f"{m['publish_fp32_s'] * 1e3:.1f}", f"{m['encoder_bf16_s'] * 1e3:.1f}",
                       f"{m['encoder_bf16_anchors_s'] * 1e3:.1f}",
                       f"{m['publish_bf16_vs_memcpy']:.2f}x",
-                      f"{m['publish_fp32_vs_memcpy']:.2f}x", f"{m['read_bf16_vs_memcpy']:.2f}x",
+                      f"{m['publish_fp32_vs_memcpy']:.2f}x", f"{m['publish_bf16_copy_vs_memcpy']:.2f}x",
+                      f"{m['publish_fp32_copy_vs_memcpy']:.2f}x", f"{m['read_bf16_vs_memcpy']:.2f}x",
                       f"{m['read_fp32_vs_memcpy']:.2f}x", f"{m['digest_GBps']:.1f}",
                       f"{m['apply_s'] * 1e3:.1f}", f"{m['dense_load_s'] * 1e3:.1f}",
                       f"{m['index_copy_s'] * 1e3:.1f}", f"{m['apply_s'] / m['index_copy_s']:.1f}x",

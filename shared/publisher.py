@@ -73,10 +73,10 @@ from .stores import Store, open_store
 log = logging.getLogger("deltasync.publisher")
 _ENCODED_FIELDS = frozenset({"kind", "changed", "int32_bf16_bytes", "payload_bytes", "commitment", "state_fingerprint",
                              "state_digest", "encoder_s"})
-# A tensor that changed in more than this share of its elements last version is "busy": publish()
-# copies its new bits into a spare buffer and swaps it with the snapshot, and the encoder thread
-# finds the change from the two (a scan that records many changes, or a dense change's XOR pass,
-# costs the training loop 1.5-3x the copy).
+# The default copy_from (DeltaPublisher): a tensor that changed in this share of its elements or
+# more last version is "busy", and publish() copies it instead of scanning it. At 26M parameters,
+# 5-8% changed, a scan that records many changes (or a dense change's XOR pass) held the training
+# loop 1.5-2x as long as the copy; at ~1% the two cost about the same for bf16 weights.
 BUSY_FRACTION = 1 / 64
 DIGESTS = ("every", "anchors")
 
@@ -216,6 +216,17 @@ class DeltaPublisher:
     :func:`shared.openmp.bound_openmp_spin` before it imports torch: otherwise torch's OpenMP
     workers spin on the cores through the first ~10 ms of every ``publish()``.
 
+    ``copy_from``: on the host, ``publish()`` scans each tensor against the snapshot (refreshing
+    it), except a tensor that changed in this share of its elements or more last version (or
+    whose scan found it dense): that one is copied into a spare buffer, which becomes the
+    snapshot, and the encoder thread finds its change from the old and new bits while the next
+    step trains. A scan that records many changes holds the training loop longer than a copy;
+    at ~1% changed the two cost about the same for bf16 weights, while for fp32 master weights
+    the cast into a copy is faster than the fused cast-and-compare scan. ``copy_from=0`` copies
+    every tensor (``publish()`` then holds the loop for a copy of the model) at the price of a
+    second snapshot in host memory (2 bytes a parameter for bf16); the spares of busy tensors
+    are that price in part.
+
     The publisher is the store's only writer while it lives (``writer.lock``, see
     :mod:`shared.lock`); ``close()`` uploads what is queued and releases it, and runs at exit
     if the script never called it.
@@ -228,12 +239,14 @@ class DeltaPublisher:
                  queue_size: int = 2, retries: int = 4, backoff_s: float = 0.5,
                  notify_timeout_s: float = 120.0, compact: bool = False,
                  on_report: Callable[[PublishReport], None] | None = None, detect: str = "auto",
-                 digests: str = "every"):
+                 digests: str = "every", copy_from: float = BUSY_FRACTION):
         if detect not in ("auto", "torch", "numba"):
             raise ValueError(f"detect={detect!r}: auto, torch or numba")
         if digests not in DIGESTS:
             raise ValueError(f"digests={digests!r}: {' or '.join(DIGESTS)}")
-        self.digests = digests
+        if not 0.0 <= copy_from <= 1.0:
+            raise ValueError(f"copy_from={copy_from}: a share of a tensor's elements, 0 to 1")
+        self.digests, self.copy_from = digests, copy_from
         self.model, self.dtype = model, dtype
         self.store = open_store(store) if isinstance(store, str) else store
         self.chain = Chain(self.store)
@@ -509,8 +522,8 @@ class DeltaPublisher:
         of the old bits against the snapshot (one kernel call per batch), and where that finds the
         change dense, the XOR written over the old bits, which are not needed after it. Then the
         spares follow what each tensor did: kept (or, for a tensor that just got busy, made and
-        touched here, off the training loop) while it changes in more than
-        :data:`BUSY_FRACTION` of its elements, dropped when it calms down."""
+        touched here, off the training loop) while it changes in ``copy_from`` of its elements or
+        more, dropped when it calms down."""
         copied = [n for n, f in found.items() if isinstance(f, _Copied)]
 
         def scan(batch: list[str]) -> list[Changes | None | bool]:
@@ -530,7 +543,7 @@ class DeltaPublisher:
                                                      digest=self._digests[n]), {})
         for n, f in found.items():
             snap = self._snapshot[n]
-            if _changed(f) <= BUSY_FRACTION * snap.numel():
+            if _changed(f) < self.copy_from * snap.numel() or not _changed(f) and self.copy_from:
                 self._spare.pop(n, None)
             elif host and n not in self._spare and scannable(snap, snap):
                 self._spare[n] = torch.zeros_like(snap)

@@ -191,10 +191,12 @@ def test_publisher_torch_path_mixed_state(tmp_path):
     assert set(pubs["numba"]._spare) == {n for n, k in last.items() if k > live[n].numel() / 64} == {"b.weight"}
 
 
-def test_publisher_fp32_weights_dense_then_sparse(tmp_path):
+@pytest.mark.parametrize("copy_from", [None, 0.0], ids=["busy-copied", "all-copied"])
+def test_publisher_fp32_weights_dense_then_sparse(tmp_path, copy_from):
     """fp32 weights published as bf16 that change densely two versions in a row (the second
     without a scan: cast into the publisher's spare buffer), then sparsely, then not at all: the
-    same chain as the torch path, every version exact, and no buffer left held."""
+    same chain as the torch path, every version exact, and no buffer left held; or with
+    ``copy_from=0`` every tensor copied every version, and a spare held for each."""
     g = torch.Generator().manual_seed(12)
     live = {"a.weight": torch.randn(300, 64, generator=g), "b.weight": torch.randn(2000, generator=g)}
 
@@ -205,7 +207,8 @@ def test_publisher_fp32_weights_dense_then_sparse(tmp_path):
                 t.view(-1)[at] = torch.randn(at.numel(), generator=g)
             yield
 
-    states, pubs = lockstep(live, tmp_path, steps(), dtype=torch.bfloat16)
+    kw = {} if copy_from is None else {"copy_from": copy_from}
+    states, pubs = lockstep(live, tmp_path, steps(), dtype=torch.bfloat16, **kw)
     chain = assert_same_chains(tmp_path, pubs, versions=4)
     numel = sum(t.numel() for t in live.values())
     dense1, dense2, sparse, none = (r.changed for r in pubs["numba"].reports[1:])  # after the anchor
@@ -213,7 +216,9 @@ def test_publisher_fp32_weights_dense_then_sparse(tmp_path):
     for v, s in enumerate(states):
         state, _ = reconstruct(chain, v)
         assert same_bits(state, {n: t.to(torch.bfloat16) for n, t in s.items()})
-    assert not pubs["numba"]._spare
+    assert set(pubs["numba"]._spare) == (set() if copy_from is None else set(live))
+    with pytest.raises(ValueError, match="copy_from"):
+        DeltaPublisher(live, str(tmp_path / "refused"), copy_from=1.5)
 
 
 @pytest.mark.parametrize("per_chunk", [[0.0, 0.0], [0.001, 0.01], [0.05, 0.05], [0.07, 0.01], [0.2, 0.2]],
