@@ -159,7 +159,7 @@ class _Found:
     version: int
     found: dict[str, EncodedTensor | Changes | DenseChange | _Copied]
     report: PublishReport
-    host: bool  # detected on the host (publish() copies busy tensors there), not where the weights live
+    copyable: set[str]  # the host tensors publish() may copy instead of scanning (see copy_from)
 
 
 def _changed(found: EncodedTensor | Changes | DenseChange) -> int:
@@ -309,10 +309,12 @@ class DeltaPublisher:
         self._wait_encoder()  # the snapshot is the encoder's until it is done with the last version
         names = sorted(self._snapshot)
         sizes = [self._snapshot[n].numel() * self._snapshot[n].element_size() for n in names]
-        host = self.detect == "numba" or (self.detect == "auto" and all(t.device.type == "cpu" for t in live.values()))
+        copyable: set[str] = set()
         with torch.no_grad():
-            if host:
-                found = map_batches(lambda batch: self._detect_host(batch, live), names, sizes)
+            if self.detect == "numba" or (self.detect == "auto" and all(t.device.type == "cpu" for t in live.values())):
+                cast = self.dtype == torch.bfloat16
+                copyable = {n for n in names if scannable(self._snapshot[n], live[n], cast and live[n].dtype == torch.float32)}
+                found = map_batches(lambda batch: self._detect_host(batch, live, copyable), names, sizes)
             else:
                 found = map_balanced(lambda n: self._encode_where(n, live[n]), names, sizes)
         report = PublishReport(version=version, kind="delta", changed=0,  # counted by the encoder
@@ -320,7 +322,7 @@ class DeltaPublisher:
                                dense_bytes=self._dense_bytes, int32_bf16_bytes=0, encode_s=0.0)
         self.version = version
         self._encoder_idle.clear()
-        self._encode_queue.put(_Found(version, dict(zip(names, found)), report, host))
+        self._encode_queue.put(_Found(version, dict(zip(names, found)), report, copyable))
         report.encode_s = time.perf_counter() - t0
         return report
 
@@ -390,8 +392,8 @@ class DeltaPublisher:
             t = t.to(self.dtype)
         return (t.cpu() if host else t).contiguous()
 
-    def _detect_host(self, names: list[str],
-                     live: Mapping[str, torch.Tensor]) -> list[EncodedTensor | Changes | _Copied]:
+    def _detect_host(self, names: list[str], live: Mapping[str, torch.Tensor],
+                     copyable: set[str]) -> list[EncodedTensor | Changes | _Copied]:
         """Host tensors' changes against the snapshot, which they refresh in place: the host
         tensors that need no cast, and fp32 weights published as bf16 (the cast inside the
         compare), in one kernel call each; the rest (another dtype or layout, NaN weights) one by
@@ -399,7 +401,7 @@ class DeltaPublisher:
         instead (:meth:`_copy_in`), and the encoder finds their change."""
         cast = self.dtype == torch.bfloat16
         to_cast = {n for n in names if cast and live[n].dtype == torch.float32}
-        busy = {n for n in names if n in self._spare and scannable(self._snapshot[n], live[n], n in to_cast)}
+        busy = {n for n in names if n in self._spare and n in copyable}
         fused = [n for n in names if n in to_cast and n not in busy]
         plain = [n for n in names if live[n].dtype == self._snapshot[n].dtype and n not in busy]
         found = dict(zip(fused, find_changes_many([(self._snapshot[n], live[n]) for n in fused], update=True,
@@ -467,7 +469,7 @@ class DeltaPublisher:
         wants one) and advance the chain's commitment."""
         t0 = time.perf_counter()
         names = list(job.found)
-        self._resolve_copies(job.found, job.host)
+        self._resolve_copies(job.found, job.copyable)
         changed = sum(_changed(f) for f in job.found.values())
         job.report.changed, job.report.int32_bf16_bytes = changed, 6 * changed  # set, not read: that waits for this
 
@@ -517,7 +519,8 @@ class DeltaPublisher:
         report.encoder_s = time.perf_counter() - t0
         return _Job(header, objects, refs, report, tmp)
 
-    def _resolve_copies(self, found: dict[str, EncodedTensor | Changes | DenseChange | _Copied], host: bool) -> None:
+    def _resolve_copies(self, found: dict[str, EncodedTensor | Changes | DenseChange | _Copied],
+                        copyable: set[str]) -> None:
         """The changes of the tensors publish() copied, in place of their :class:`_Copied`: a scan
         of the old bits against the snapshot (one kernel call per batch), and where that finds the
         change dense, the XOR written over the old bits, which are not needed after it. Then the
@@ -545,7 +548,7 @@ class DeltaPublisher:
             snap = self._snapshot[n]
             if _changed(f) < self.copy_from * snap.numel() or not _changed(f) and self.copy_from:
                 self._spare.pop(n, None)
-            elif host and n not in self._spare and scannable(snap, snap):
+            elif n in copyable and n not in self._spare:
                 self._spare[n] = torch.zeros_like(snap)
 
     def _sparse_fingerprints(self, found: Mapping[str, EncodedTensor | Changes | DenseChange],
