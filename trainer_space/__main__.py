@@ -4,7 +4,7 @@
         The Space's entry: the Gradio page. Run defaults come from the environment a Space sets:
         DELTASYNC_MODEL, DELTASYNC_STORE, DELTASYNC_REPLICAS (comma-separated), DELTASYNC_ENV_URL,
         DELTASYNC_TOKEN (the replicas' update token), DELTASYNC_API_KEY (their --api-key for /v1/*),
-        DELTASYNC_OUTPUT_DIR and
+        DELTASYNC_OUTPUT_DIR, DELTASYNC_DIGESTS, DELTASYNC_COPY_FROM and
         DELTASYNC_TRAINER_TOKEN (asked for by Start and Stop; when unset, DELTASYNC_TOKEN is).
 
     python -m trainer_space --local --max-steps N --run-dir DIR [--ui]
@@ -91,7 +91,8 @@ def space_defaults() -> RunSettings:
                        env_url=setting("DELTASYNC_ENV_URL"),
                        token=env.get("DELTASYNC_TOKEN"), api_key=env.get("DELTASYNC_API_KEY"),
                        output_dir=env.get("DELTASYNC_OUTPUT_DIR", "runs/trainer"),
-                       digests=env.get("DELTASYNC_DIGESTS", "every"))
+                       digests=env.get("DELTASYNC_DIGESTS", "every"),
+                       **({"copy_from": env["DELTASYNC_COPY_FROM"]} if env.get("DELTASYNC_COPY_FROM") else {}))
 
 
 def print_rows(console: Console, rows: list[dict]) -> None:

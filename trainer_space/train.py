@@ -15,6 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from shared.publisher import BUSY_FRACTION
+
 from . import cpu_shims
 from .monitor import Monitor
 from .relay import AuthRelay
@@ -46,6 +48,9 @@ class RunSettings(BaseModel):
     compact: bool = False
     # blake3 digests "every" version, or only at "anchors" (then replicas are checked by fingerprint between)
     digests: Literal["every", "anchors"] = "every"
+    # host weights: the share of a tensor changed from which publish() copies it rather than scans it
+    # (0: every tensor, a second bf16 snapshot in host memory; see DeltaPublisher)
+    copy_from: float = Field(default=BUSY_FRACTION, ge=0, le=1)
     verify: bool = Field(default=True, description="check every replica's live digest after each sync")
 
 
@@ -75,7 +80,8 @@ def make_transfer(settings: RunSettings, monitor: Monitor) -> DeltaSyncTransfer:
             monitor.refresh()
 
     return DeltaSyncTransfer(settings.store, settings.replicas, base=settings.model, token=settings.token,
-                             compact=settings.compact, digests=settings.digests, on_report=monitor.on_report,
+                             compact=settings.compact, digests=settings.digests, copy_from=settings.copy_from,
+                             on_report=monitor.on_report,
                              after_sync=after_sync)
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from shared.process import wait_healthy
-from shared.publisher import DeltaPublisher, PublishError, PublishReport
+from shared.publisher import BUSY_FRACTION, DeltaPublisher, PublishError, PublishReport
 
 
 class ReplicaLagError(RuntimeError):
@@ -44,11 +44,11 @@ class DeltaSyncTransfer:
 
     def __init__(self, store: str, replicas: Sequence[str], *, base: str, token: str | None = None,
                  ready_timeout_s: float = 600.0, compact: bool = False, digests: str = "every",
-                 on_report: Callable[[PublishReport], None] | None = None,
+                 copy_from: float = BUSY_FRACTION, on_report: Callable[[PublishReport], None] | None = None,
                  after_sync: Callable[[int], None] | None = None):
         self.store, self.replicas, self.base, self.token = store, list(replicas), base, token
         self.ready_timeout_s, self.compact, self.digests, self.on_report = ready_timeout_s, compact, digests, on_report
-        self.after_sync = after_sync
+        self.after_sync, self.copy_from = after_sync, copy_from
         self.publisher: DeltaPublisher | None = None
         self.timings: list[dict[str, float]] = []  # per sync: encode_s, wait_s (what trl waited in resume)
         self._pending: PublishReport | None = None
@@ -69,7 +69,8 @@ class DeltaSyncTransfer:
             # The first (cold) sync: the trainer holds the base checkpoint, which is version 0.
             self.publisher = DeltaPublisher(state, self.store, replicas=self.replicas, token=self.token,
                                             external_base=self.base, compact=self.compact,
-                                            digests=self.digests, on_report=self.on_report)
+                                            digests=self.digests, copy_from=self.copy_from,
+                                            on_report=self.on_report)
         self._pending = self.publisher.publish(state)
 
     def resume(self) -> None:

@@ -42,3 +42,37 @@ def test_the_trainer_bounds_openmp_spin_before_torch_loads_and_keeps_a_users_cho
     env: dict[str, str] = {}
     assert bound_openmp_spin(env) is False  # too late for this process's libgomp
     assert env == {"GOMP_SPINCOUNT": SPINCOUNT}
+
+
+def test_the_publisher_settings_reach_the_publisher(monkeypatch, tmp_path):
+    """DELTASYNC_COPY_FROM is read into the run's settings (checked there), and the transfer trl
+    drives hands it to the publisher, which then copies every tensor from the second version on."""
+    import pytest
+    import torch
+    from pydantic import ValidationError
+
+    from shared.publisher import BUSY_FRACTION
+    from trainer_space.__main__ import space_defaults
+    from trainer_space.transfer import DeltaSyncTransfer
+
+    monkeypatch.delenv("DELTASYNC_COPY_FROM", raising=False)
+    assert space_defaults().copy_from == BUSY_FRACTION
+    monkeypatch.setenv("DELTASYNC_COPY_FROM", "0")
+    assert space_defaults().copy_from == 0.0
+    monkeypatch.setenv("DELTASYNC_COPY_FROM", "2")
+    with pytest.raises(ValidationError, match="copy_from"):
+        space_defaults()
+
+    weights = {"w": torch.randn(64, 32, generator=torch.Generator().manual_seed(0))}
+    transfer = DeltaSyncTransfer(str(tmp_path / "store"), [], base="local-base", copy_from=0.0)
+    try:
+        for step in range(3):
+            transfer.send_weights(iter(weights.items()))
+            transfer.resume()
+            weights["w"].add_(0.1 * (step + 1))
+        assert transfer.publisher.copy_from == 0.0 and set(transfer.publisher._spare) == {"w"}
+        reports = transfer.publisher.reports
+        assert [r.version for r in reports] == [0, 1, 2, 3]  # the base, the cold sync, two steps
+        assert [r.changed for r in reports[1:]] == [0, weights["w"].numel(), weights["w"].numel()]
+    finally:
+        transfer.destroy()
