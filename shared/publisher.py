@@ -420,12 +420,15 @@ class DeltaPublisher:
         if changes is None:
             return self._copy_in(name, live)
         if changes is not False:
-            if changes.count:
-                return changes
-            return EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape),
-                                             digest=self._digests[name]), {})
+            return changes if changes.count else self._unchanged(name)
         return detect_tensor(name, snap, self._cast(live), update=True, threads=False,
                              same_digest=self._digests[name])
+
+    def _unchanged(self, name: str) -> EncodedTensor:
+        """A tensor's entry when nothing in it changed: the base's digest and fingerprint."""
+        snap = self._snapshot[name]
+        return EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape), digest=self._digests[name],
+                                         fingerprint=self._fingerprints[name].hex()), {})
 
     def _copy_in(self, name: str, live: torch.Tensor) -> _Copied:
         """The live bits (cast as :meth:`_cast` does) copied into the tensor's spare buffer, which
@@ -539,11 +542,8 @@ class DeltaPublisher:
             snap = self._snapshot[n]
             if changes is None:
                 found[n] = dense_change(found[n].old, snap, out=unsigned_view(found[n].old))
-            elif changes.count:
-                found[n] = changes
             else:
-                found[n] = EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape),
-                                                     digest=self._digests[n]), {})
+                found[n] = changes if changes.count else self._unchanged(n)
         for n, f in found.items():
             snap = self._snapshot[n]
             if _changed(f) < self.copy_from * snap.numel() or not _changed(f) and self.copy_from:
@@ -600,8 +600,7 @@ class DeltaPublisher:
         hv = unsigned_view(host)
         pos, xor = changes.positions, changes.xor
         if changes.count == 0:
-            return EncodedTensor(TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape),
-                                             digest=self._digests[name], fingerprint=self._fingerprints[name].hex()), {})
+            return self._unchanged(name)
         old_at = hv[pos]
         new_at = old_at ^ xor
         classed = encode_positions_classed(pos, hv, host.dtype) if self.compact else None  # on the base
