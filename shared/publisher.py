@@ -546,10 +546,15 @@ class DeltaPublisher:
                 found[n] = changes if changes.count else self._unchanged(n)
         for n, f in found.items():
             snap = self._snapshot[n]
-            if _changed(f) < self.copy_from * snap.numel() or not _changed(f) and self.copy_from:
+            if not self._busy(_changed(f), snap.numel()):
                 self._spare.pop(n, None)
             elif n in copyable and n not in self._spare:
                 self._spare[n] = torch.zeros_like(snap)
+
+    def _busy(self, changed: int, numel: int) -> bool:
+        """Whether a tensor with ``changed`` of ``numel`` elements changed is copied next version:
+        ``copy_from`` of it or more changed, and something did unless ``copy_from`` is 0."""
+        return changed >= self.copy_from * numel and (changed > 0 or self.copy_from == 0)
 
     def _sparse_fingerprints(self, found: Mapping[str, EncodedTensor | Changes | DenseChange],
                              new_at: Mapping[str, np.ndarray]) -> dict[str, str]:
