@@ -99,10 +99,15 @@ def xor_refresh(old, new, out, update):  # pragma: no cover
     return k
 
 
+_U32 = np.uint32
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _bf16_bits(u):  # pragma: no cover
-    """fp32 bits to bf16 bits, rounding to nearest even (exact where ``_not_cast`` is 0)."""
-    return np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16))
+    """fp32 bits to bf16 bits, rounding to nearest even (exact where ``_not_cast`` is 0). Every
+    step is cast back to 32 bits: numba widens integer arithmetic to 64 bits, and then LLVM
+    vectorised the scans' cast in 4 lanes a register instead of 8 (20-25% slower)."""
+    return np.uint16(_U32(_U32(u + _U32(_U32(u >> _U32(16)) & _U32(1))) + _U32(0x7FFF)) >> _U32(16))
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -115,8 +120,9 @@ def _not_cast(u):  # pragma: no cover
 @numba.njit(cache=True, nogil=True, inline="always")
 def _edge(u):  # pragma: no cover
     """1 where the exponent is all zeros or all ones (zero, subnormal, infinity, NaN), else 0:
-    one test cheaper than :func:`_not_cast`, which then looks closer at a block it flags."""
-    return np.uint32(((u & np.uint32(0x7F800000)) - np.uint32(0x00800000)) >= np.uint32(0x7F000000))
+    one test cheaper than :func:`_not_cast`, which then looks closer at a block it flags (32-bit
+    steps, as in :func:`_bf16_bits`)."""
+    return _U32(_U32(_U32(u & _U32(0x7F800000)) - _U32(0x00800000)) >= _U32(0x7F000000))
 
 
 @numba.njit(cache=True, nogil=True)
