@@ -221,8 +221,8 @@ class DeltaPublisher:
     whose scan found it dense): that one is copied into a spare buffer, which becomes the
     snapshot, and the encoder thread finds its change from the old and new bits while the next
     step trains. A scan that records many changes holds the training loop longer than a copy;
-    at ~1% changed the two cost about the same for bf16 weights, while for fp32 master weights
-    the cast into a copy is faster than the fused cast-and-compare scan. ``copy_from=0`` copies
+    at ~1% changed the two cost about the same, for bf16 weights and for fp32 master weights
+    (the cast fused into the scan, or into the copy). ``copy_from=0`` copies
     every tensor (``publish()`` then holds the loop for a copy of the model) at the price of a
     second snapshot in host memory (2 bytes a parameter for bf16); the spares of busy tensors
     are that price in part.
