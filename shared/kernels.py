@@ -786,6 +786,13 @@ def _rans_value(code, raw, slots, x, ptr, bit, zig):  # pragma: no cover
     return v, x, ptr, bit, True
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _too_wide(v, zig, width):  # pragma: no cover
+    """Whether a decoded value does not fit its ``width``-bit element (a zigzagged one always
+    does: its bits are the element's, wrapped)."""
+    return not zig and width < 64 and (v >> np.uint64(width)) != 0
+
+
 @numba.njit(cache=True, nogil=True)
 def rans_decode_values(code, table, raw, zig, width, out, slots):  # pragma: no cover
     """Decode rANS symbols and their raw bits (and, with ``zig``, unzigzag them) in one pass,
@@ -807,7 +814,7 @@ def rans_decode_values(code, table, raw, zig, width, out, slots):  # pragma: no 
         v, x, ptr, bit, ok = _rans_value(code, raw, slots, x, ptr, bit, zig)
         if not ok:
             return -1
-        if not zig and width < 64 and (v >> np.uint64(width)) != 0:
+        if _too_wide(v, zig, width):
             return -2
         out[i] = v
     return 0
@@ -831,7 +838,7 @@ def _decode_pairs(pbuf, k, limit, code, raw, slots, zig, width, positions, value
         v, x, ptr, bit, ok = _rans_value(code, raw, slots, x, ptr, bit, zig)
         if not ok:
             return ANS_SHORT
-        if not zig and width < 64 and (v >> np.uint64(width)) != 0:
+        if _too_wide(v, zig, width):
             return ANS_WIDE
         values[i] = v
         gap, acc, avail, pos, ok = _rice_value(pbuf, k, mask, acc, avail, pos)
@@ -858,7 +865,8 @@ def decode_sparse(buf, pos_lo, pos_hi, code_at, raw_at, val_hi, tables, counts, 
 
     A tensor's positions and values are decoded in one loop, a value and a position per step:
     each decoder is a chain of dependent steps, and interleaved the CPU runs the two chains side
-    by side (17-24% faster than a loop each, 26M elements at 0.1-5% changed)."""
+    by side (the kernel 12-23% faster than a loop each, 26M elements at 0.1-5% changed, one
+    thread)."""
     at = 0
     slots = np.empty(1 << PROB_BITS, dtype=np.uint64)  # one slot table, rebuilt per tensor
     for t in range(counts.shape[0]):
