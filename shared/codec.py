@@ -43,15 +43,14 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import blake3
 import numpy as np
 import safetensors
-import safetensors.numpy
 import safetensors.torch
 import torch
 from pydantic import BaseModel, ValidationError
@@ -62,6 +61,7 @@ from .entropy import (
     ALPHABET,
     decode_ints_into,
     encode_ints,
+    ints_blob,
     ints_sections_many,
     rice_decode,
     rice_encode,
@@ -200,24 +200,9 @@ def _zstd_may_win(positions: np.ndarray, rice_bytes: int) -> bool:
     geometric gaps of the same mean (a marginal a Rice code does not fit). Otherwise the zstd
     trial (~20 us a call whatever its size, most of what a small tensor's positions cost) is
     skipped. Missed: a pattern whose period is longer than the sample."""
-    from .kernels import gap_runs
+    from .kernels import zstd_may_win
 
-    n = positions.shape[0]
-    if n < 2:
-        return False  # a zstd frame alone outweighs a Rice code of one gap
-    zeros, repeats, triples = gap_runs(positions, PATTERN_SAMPLE)
-    mean = (int(positions[-1]) + 1 - n) / n
-    p = 1 / (mean + 1)  # of a gap being 0
-    same = p / (2 - p)  # of two independent gaps being equal
-    m, q = min(n, PATTERN_SAMPLE), same**3
-    # of the m triples, how many repeat an earlier one by chance
-    chance = m + math.expm1(m * math.log1p(-q)) / q if 0 < q < 1 else 0.0
-    if chance > m / 8:  # changes so dense that patterns repeat by chance: the count cannot tell
-        return True
-    if zeros > 2 * n * p + 16 or repeats > 2 * n * same + 16 or triples > 2 * chance + 16:
-        return True
-    entropy_bits = math.log2(mean + 1) + (mean * math.log2((mean + 1) / mean) if mean > 0 else 0.0)
-    return rice_bytes > 1.1 * n * entropy_bits / 8 + 16
+    return bool(zstd_may_win(positions, rice_bytes, PATTERN_SAMPLE))
 
 
 def encode_positions_classed(positions: np.ndarray, base: np.ndarray, dtype: torch.dtype) -> bytes:
@@ -345,10 +330,18 @@ PATTERN_SAMPLE = 512  # gaps searched for a repeating pattern (of a period up to
 def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | None, mode: str,
                  bits: np.ndarray, changed: int) -> EncodedTensor:
     """Encode values of one kind at the given positions (None: every element)."""
-    blobs = {VAL: encode_value_bits(mode, bits)}
+    return _sparse(base_entry, name, mode, changed, encode_value_bits(mode, bits),
+                   None if positions is None else encode_positions(positions))
+
+
+def _sparse(base_entry: TensorEntry, name: str, mode: str, changed: int, values: bytes,
+            positions: tuple[bytes, int, str] | None) -> EncodedTensor:
+    """A sparse tensor's entry and blobs from its coded values and (None: every element) its
+    :func:`encode_positions`."""
+    blobs = {VAL: values}
     fields = {"encoding": mode, "changed": changed, "positions": "all", "coders": {VAL: VALUE_CODERS[mode]}}
     if positions is not None:
-        blobs[POS], fields["gap_bytes"], fields["coders"][POS] = encode_positions(positions)
+        blobs[POS], fields["gap_bytes"], fields["coders"][POS] = positions
         fields["positions"] = "gaps"
     # one copy with every field (each attribute set on a pydantic model costs ~2 us)
     return EncodedTensor(base_entry.model_copy(update=fields), {name + k: _u8(v) for k, v in blobs.items()})
@@ -526,6 +519,50 @@ def encode_changes(entry: TensorEntry, name: str, pos: np.ndarray, xor: np.ndarr
     return enc
 
 
+class SparseChange(NamedTuple):
+    """One tensor's changes for :func:`encode_changes_many`: its entry so far, its name, and its
+    sorted positions with the XOR and new bits there."""
+
+    entry: TensorEntry
+    name: str
+    positions: np.ndarray
+    xor: np.ndarray
+    new_at: np.ndarray
+
+
+def encode_changes_many(items: Sequence[SparseChange]) -> list[EncodedTensor]:
+    """:func:`encode_changes` of many tensors, the same bytes, in one kernel call per element width
+    (:func:`shared.kernels.encode_sparse_many`). A delta of 0.1% of a model is a hundred or more
+    tensors of a few hundred changes, and coding them one by one cost ~100 us a tensor in calls,
+    more than their changes did. A tensor whose "set" kind or zstd'd positions deserve a trial
+    gets it here, as in :func:`encode_changes`."""
+    from .kernels import NEEDS_POSITIONS, NEEDS_VALUES, encode_sparse_many
+
+    out: list[EncodedTensor | None] = [None] * len(items)
+    widths: dict[np.dtype, list[int]] = {}
+    for i, it in enumerate(items):
+        widths.setdefault(it.xor.dtype, []).append(i)
+    for at in widths.values():
+        group = [items[i] for i in at]
+        starts = np.zeros(len(group) + 1, dtype=np.int64)
+        np.cumsum([it.positions.shape[0] for it in group], out=starts[1:])
+        tables = np.empty((len(group), ALPHABET), dtype=np.int64)
+        spans = np.empty((len(group), 7), dtype=np.int64)
+        buf = encode_sparse_many(starts, np.concatenate([it.positions for it in group]),
+                                 np.concatenate([it.xor for it in group]),
+                                 np.concatenate([it.new_at for it in group]),
+                                 SAMPLE, SET_GATE, PATTERN_SAMPLE, ALPHABET, tables, spans)
+        for i, it, t, (needs, add, k, code, raw, rice, end) in zip(at, group, tables, spans.tolist()):
+            if needs & NEEDS_VALUES:
+                out[i] = encode_changes(it.entry, it.name, it.positions, it.xor, lambda n=None, it=it: it.new_at[:n])
+                continue
+            positions = (encode_positions(it.positions) if needs & NEEDS_POSITIONS
+                         else (bytes([k]) + buf[rice:end].tobytes(), 0, "rice"))
+            out[i] = _sparse(it.entry, it.name, "add" if add else "xor", it.positions.shape[0],
+                             ints_blob(t, buf[code:raw], buf[raw:rice]), positions)
+    return out
+
+
 def encode_state(base: Mapping[str, torch.Tensor],
                  new: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor], *,
                  update: bool = False, digests: Mapping[str, str] | None = None,
@@ -593,10 +630,13 @@ def payload_digest(blobs: Mapping[str, torch.Tensor | np.ndarray]) -> str:
 
 
 def save_delta(header: Header, tensors: Mapping[str, torch.Tensor]) -> bytes:
-    if all(t.dtype == torch.uint8 for t in tensors.values()):
-        # the same bytes; the numpy writer skips torch's per-tensor checks for shared storage,
-        # which cost ~13 us a blob (2.3 against 0.7 ms for a delta of 180 blobs)
-        return safetensors.numpy.save({k: t.numpy() for k, t in tensors.items()}, metadata=_metadata(header))
+    if all(t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous() for t in tensors.values()):
+        # the same bytes as the library's writers, given as safetensors' own TensorSpecs: their
+        # per-array checks cost ~7-13 us a blob (0.96 against 0.20 ms for 131 blobs). ``tensors``
+        # keeps every blob alive while serialize reads it.
+        return safetensors.serialize({k: safetensors.TensorSpec(dtype="uint8", shape=[t.numel()], data_ptr=t.data_ptr(),
+                                                                 data_len=t.numel()) for k, t in tensors.items()},
+                                     metadata=_metadata(header))
     return safetensors.torch.save(dict(tensors), metadata=_metadata(header))
 
 

@@ -69,6 +69,11 @@ def encode_ints(x: np.ndarray, zigzag: bool = False) -> bytes:
     freq, code, raw, ok = kernels.encode_ints_parts(x, zigzag, ALPHABET)
     if not ok:
         raise ValueError("cannot quantise these counts")
+    return ints_blob(freq, code, raw)
+
+
+def ints_blob(freq: np.ndarray, code: np.ndarray, raw: np.ndarray) -> bytes:
+    """The blob of :func:`encode_ints` from its parts: symbol frequencies, rANS code, raw bits."""
     table = zstd_compress(freq.astype("<u2").tobytes())
     return b"".join([_HEAD.pack(len(table), code.shape[0], raw.shape[0]), table, code.tobytes(),
                      raw.tobytes()])
@@ -162,16 +167,7 @@ def rice_encode(x: np.ndarray, running: bool = False) -> bytes:
     (``x[i] - x[i-1] - 1``, the first from -1), which are never materialised."""
     from . import kernels
 
-    x = np.ascontiguousarray(x, dtype=np.int64 if running else np.uint64)
-    n = x.shape[0]
-    if not n:
-        mean = 0.0
-    elif running:  # the gaps add up to the last position + 1 - n
-        mean = (int(x[-1]) + 1 - n) / n
-    else:
-        mean = float(x.mean())
-    k0 = max(0, int(np.log2(max(mean * 0.69, 1.0))))
-    k, code = kernels.rice_code(x, min(max(0, k0 - 1), 56), min(57, k0 + 2), running)
+    k, code = kernels.rice_auto(np.ascontiguousarray(x, dtype=np.int64 if running else np.uint64), running)
     return bytes([k]) + code.tobytes()
 
 

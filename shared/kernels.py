@@ -7,6 +7,7 @@ vLLM's kernel discovery, and ``shared`` is imported by the rollout server.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numba
@@ -300,6 +301,29 @@ def gap_runs(positions, limit):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
+def zstd_may_win(positions, rice_bytes, limit):  # pragma: no cover
+    """``codec._zstd_may_win`` (its docstring says why): whether the gaps of sorted ``positions``
+    hold more structure than their Rice code of ``rice_bytes`` takes in, judged on
+    :func:`gap_runs` of the first ``limit``."""
+    n = positions.shape[0]
+    if n < 2:
+        return False  # a zstd frame alone outweighs a Rice code of one gap
+    zeros, repeats, triples = gap_runs(positions, limit)
+    mean = (positions[n - 1] + 1 - n) / n
+    p = 1 / (mean + 1)  # of a gap being 0
+    same = p / (2 - p)  # of two independent gaps being equal
+    m, q = min(n, limit), same * same * same
+    # of the m triples, how many repeat an earlier one by chance
+    chance = m + math.expm1(m * math.log1p(-q)) / q if 0 < q < 1 else 0.0
+    if chance > m / 8:  # changes so dense that patterns repeat by chance: the count cannot tell
+        return True
+    if zeros > 2 * n * p + 16 or repeats > 2 * n * same + 16 or triples > 2 * chance + 16:
+        return True
+    entropy_bits = math.log2(mean + 1) + (mean * math.log2((mean + 1) / mean) if mean > 0 else 0.0)
+    return rice_bytes > 1.1 * n * entropy_bits / 8 + 16
+
+
+@numba.njit(cache=True, nogil=True)
 def positions_to_gaps(positions, nbytes, planes):  # pragma: no cover
     """Inverse of :func:`gaps_to_positions`: write the low ``nbytes`` of each gap, plane by plane."""
     count = positions.shape[0]
@@ -569,6 +593,22 @@ def rice_code(x, k_lo, k_hi, running):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
+def rice_auto(x, running):  # pragma: no cover
+    """:func:`rice_code` over the three parameters around ``floor(log2(0.69 * mean))``, the
+    one a geometric distribution of this mean wants (the mean of the gaps with ``running``)."""
+    n = x.shape[0]
+    mean = 0.0
+    if n and running:  # the gaps add up to the last position + 1 - n
+        mean = (x[n - 1] + 1 - n) / n
+    elif n:
+        for i in range(n):
+            mean += np.float64(x[i])
+        mean /= n
+    k0 = 63 - leading_zeros(np.uint64(max(mean * 0.69, 1.0)))  # floor(log2), exact
+    return rice_code(x, min(max(0, k0 - 1), 56), min(57, k0 + 2), running)
+
+
+@numba.njit(cache=True, nogil=True)
 def read_bits(buf, bit, n):  # pragma: no cover
     v = np.uint64(0)
     got = 0
@@ -730,6 +770,76 @@ def encode_ints_parts(bits, zig, alphabet):  # pragma: no cover
     buf = np.empty(n * 4 + 16, dtype=np.uint8)  # worst case: 32 bits a symbol
     start = rans_encode(sym, freq, np.cumsum(freq) - freq, buf)
     return freq, buf[start:], raw, True
+
+
+@numba.njit(cache=True, nogil=True)
+def _put(buf, used, data):  # pragma: no cover
+    """``data`` appended to ``buf[:used]``, growing it by doubling: (buffer, bytes used)."""
+    need = used + data.shape[0]
+    if need > buf.shape[0]:
+        bigger = np.empty(max(need, 2 * buf.shape[0]), dtype=np.uint8)
+        bigger[:used] = buf[:used]
+        buf = bigger
+    buf[used:need] = data
+    return buf, need
+
+
+# encode_sparse_many's per-tensor row of ``spans``, and what a tensor still needs from Python
+SPAN_NEEDS, SPAN_MODE, SPAN_K, SPAN_CODE, SPAN_RAW, SPAN_RICE, SPAN_END = range(7)
+NEEDS_VALUES, NEEDS_POSITIONS = 1, 2
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_sparse_many(starts, positions, xor, new, sample, gate, pattern, alphabet, tables, spans):  # pragma: no cover
+    """``codec.encode_changes`` of many tensors in one call (per tensor, the calls cost ~100 us of
+    dispatch and numpy: most of what a tensor with few changes took). Tensor ``t`` is changes
+    ``starts[t]:starts[t+1]`` of the sorted ``positions``, their ``xor`` and ``new`` bits.
+
+    Per tensor: the value kind ("xor" 0 or "add" 1) estimated smaller on the first ``sample``
+    changes by :func:`value_kind_sizes`, its symbol frequencies into ``tables[t]``, its rANS code
+    and raw bits, and the positions' Rice code, appended to the returned buffer; ``spans[t]``
+    (``SPAN_*``) says where. What this call does not decide is left to the caller in
+    ``spans[t, SPAN_NEEDS]``: ``NEEDS_VALUES`` where "set" deserves its zstd trial (then nothing
+    else is coded for the tensor), ``NEEDS_POSITIONS`` where :func:`zstd_may_win`."""
+    buf = np.empty(1 << 16, dtype=np.uint8)
+    used = 0
+    sizes = np.empty(3)
+    for t in range(starts.shape[0] - 1):
+        a, b = starts[t], starts[t + 1]
+        k = min(sample, b - a)
+        g = min(gate, k)
+        value_kind_sizes(xor[a:a + k], new[a:a + k], g, alphabet, sizes)
+        spans[t, :] = used
+        spans[t, SPAN_NEEDS], spans[t, SPAN_MODE], spans[t, SPAN_K] = 0, 0, 0
+        if k == 0 or sizes[2] * k / g < 2 * min(sizes[0], sizes[1]):
+            spans[t, SPAN_NEEDS] = NEEDS_VALUES
+            continue
+        add = sizes[1] < sizes[0]  # ties go to "xor"
+        if add:  # new - old, wrapping in the element's width
+            bits = np.empty(b - a, dtype=xor.dtype)
+            for i in range(b - a):
+                v = np.uint64(new[a + i])
+                bits[i] = v - (v ^ np.uint64(xor[a + i]))
+        else:
+            bits = xor[a:b].copy()
+        freq, code, raw, ok = encode_ints_parts(bits, add, alphabet)
+        if not ok:
+            spans[t, SPAN_NEEDS] = NEEDS_VALUES
+            continue
+        tables[t, :] = freq
+        spans[t, SPAN_MODE] = np.int64(add)
+        buf, used = _put(buf, used, code)
+        spans[t, SPAN_RAW] = used
+        buf, used = _put(buf, used, raw)
+        spans[t, SPAN_RICE] = used
+        rk, rice = rice_auto(positions[a:b], True)
+        if zstd_may_win(positions[a:b], rice.shape[0] + 1, pattern):  # + the byte of k
+            spans[t, SPAN_NEEDS] = NEEDS_POSITIONS
+        else:
+            spans[t, SPAN_K] = rk
+            buf, used = _put(buf, used, rice)
+        spans[t, SPAN_END] = used
+    return buf[:used]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

@@ -55,7 +55,9 @@ from .codec import (
     build_delta,
     dense_change,
     detect_tensor,
+    SparseChange,
     encode_changes,
+    encode_changes_many,
     encode_found,
     encode_positions_classed,
     encode_tensor,
@@ -484,8 +486,17 @@ class DeltaPublisher:
                                 fingerprint=fingerprints.get(n), base_fingerprint=self._fingerprints[n],
                                 digest=self._new_digest())
 
+        def batch(batch: list[str]) -> list[EncodedTensor]:
+            """The sparse changes coded in one call (unless ``compact``, which codes each against
+            its base), the rest one by one."""
+            sparse = [] if self.compact else [n for n in batch if n in new_at]
+            coded = dict(zip(sparse, encode_changes_many([
+                SparseChange(self._entry(n, fingerprints[n]), n, job.found[n].positions, job.found[n].xor, new_at[n])
+                for n in sparse])))
+            return [coded[n] if n in coded else one(n) for n in batch]
+
         work = [_encode_work(job.found[n], self._snapshot[n]) for n in names]
-        encoded = dict(zip(names, map_balanced(one, names, work, serial_below=THREADS_FROM_CHANGES)))
+        encoded = dict(zip(names, map_batches(batch, names, work, serial_below=THREADS_FROM_CHANGES)))
         if self.digests == "every":
             for n, e in encoded.items():
                 if not e.entry.digest:  # unknown since versions published with digests="anchors"
@@ -496,7 +507,8 @@ class DeltaPublisher:
                 if e.entry.encoding != "same":
                     self._digests[n] = ""
                 e.entry.digest = ""
-        self._fingerprints.update({n: Fingerprint.from_hex(e.entry.fingerprint) for n, e in encoded.items()})
+        self._fingerprints.update({n: Fingerprint.from_hex(e.entry.fingerprint) for n, e in encoded.items()
+                                   if e.entry.encoding != "same"})
         version, base_version, report = job.version, job.version - 1, job.report
         header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                       base_commitment=self._commitment, base_state_digest=self._state_digest)
@@ -575,6 +587,12 @@ class DeltaPublisher:
         (leave it out, digests="anchors")."""
         return None if self.digests == "every" else ""
 
+    def _entry(self, name: str, fingerprint: str) -> TensorEntry:
+        """A touched tensor's entry before its coding: the snapshot's (already the new state)."""
+        snap = self._snapshot[name]
+        return TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape), fingerprint=fingerprint,
+                           digest=tensor_digest(snap) if self.digests == "every" else "")
+
     def _encode_where(self, name: str, live: torch.Tensor) -> EncodedTensor:
         """One tensor's change, found on the device that holds it (the host snapshot follows)."""
         host = self._snapshot[name]
@@ -611,9 +629,7 @@ class DeltaPublisher:
         classed = encode_positions_classed(pos, hv, host.dtype) if self.compact else None  # on the base
         hv[pos] = new_at
         fp = self._fingerprints[name] + fingerprint_delta(pos, old_at, new_at, host.element_size() * 8)
-        digest = tensor_digest(host) if self.digests == "every" else ""
-        entry = TensorEntry(dtype=dtype_name(host.dtype), shape=list(host.shape), digest=digest, fingerprint=fp.hex())
-        return encode_changes(entry, name, pos, xor, lambda k=None: new_at[:k],
+        return encode_changes(self._entry(name, fp.hex()), name, pos, xor, lambda k=None: new_at[:k],
                               None if classed is None else lambda: classed)
 
     def _write_anchor(self, version: int, base_version: int | None, base_commitment: str):

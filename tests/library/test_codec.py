@@ -546,3 +546,41 @@ def test_find_changes_many_leaves_what_it_does_not_take_to_the_one_tensor_path()
     nan = torch.tensor([1.0, float("nan")])
     snap = torch.zeros(2, dtype=torch.bfloat16)
     assert find_changes_many([(snap, nan), (snap, torch.ones(2, dtype=torch.bfloat16))], cast=True) == [False, False]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), count=st.integers(1, 12))
+def test_sparse_changes_coded_together_are_coded_as_one_by_one(seed, count):
+    """``encode_changes_many`` (one kernel call for every tensor of a width) writes the same
+    entries and bytes as ``encode_changes`` per tensor, including the tensors whose "set" kind or
+    zstd'd positions it leaves to their trials: one-ulp moves, random XORs, a constant reset,
+    runs of positions, 16- and 32-bit elements."""
+    from shared.codec import SparseChange, TensorEntry, encode_changes, encode_changes_many
+
+    rng = np.random.default_rng(seed)
+    items = []
+    for t in range(count):
+        dtype = (np.uint16, np.uint32)[int(rng.integers(2))]
+        numel = int(rng.integers(1, 50_000))
+        n = int(rng.integers(1, min(numel, 6000) + 1))
+        kind = ("ulp", "random", "constant", "runs")[int(rng.integers(4))]
+        if kind == "runs":
+            start = int(rng.integers(0, numel - n + 1))
+            positions = np.arange(start, start + n, dtype=np.int64)
+        else:
+            positions = np.sort(rng.choice(numel, n, replace=False)).astype(np.int64)
+        new = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
+        if kind == "constant":
+            new[:] = 0x3F00
+        if kind == "ulp":  # old = new -2..2 ulps, wrapping
+            xor = new ^ (new + rng.choice(np.array([-2, -1, 1, 2]), n).astype(dtype))
+        else:
+            xor = (rng.integers(1, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True) if kind == "random"
+                   else rng.integers(1, 4, n).astype(dtype))
+        entry = TensorEntry(dtype="bfloat16" if dtype == np.uint16 else "float32", shape=[numel], fingerprint="ab" * 32)
+        items.append(SparseChange(entry, f"t{t}", positions, xor, new))
+    together = encode_changes_many(items)
+    for it, got in zip(items, together, strict=True):
+        want = encode_changes(it.entry, it.name, it.positions, it.xor, lambda k=None, it=it: it.new_at[:k])
+        assert got.entry == want.entry
+        assert {k: bytes(v.numpy()) for k, v in got.blobs.items()} == {k: bytes(v.numpy()) for k, v in want.blobs.items()}
