@@ -185,6 +185,12 @@ def encode_positions(positions: np.ndarray) -> tuple[bytes, int, str]:
     rice = rice_encode(positions, running=True)
     if not _zstd_may_win(positions, len(rice)):
         return rice, 0, "rice"
+    return _zstd_trial(positions, rice)
+
+
+def _zstd_trial(positions: np.ndarray, rice: bytes) -> tuple[bytes, int, str]:
+    """:func:`encode_positions` where zstd may win: the smaller of the Rice code ``rice`` and
+    the zstd'd gap planes."""
     if positions.shape[0] > SAMPLE:
         if len(rice_encode(positions[:SAMPLE], running=True)) <= len(_gap_planes(positions[:SAMPLE])[0]):
             return rice, 0, "rice"
@@ -534,9 +540,9 @@ def encode_changes_many(items: Sequence[SparseChange]) -> list[EncodedTensor]:
     """:func:`encode_changes` of many tensors, the same bytes, in one kernel call per element width
     (:func:`shared.kernels.encode_sparse_many`). A delta of 0.1% of a model is a hundred or more
     tensors of a few hundred changes, and coding them one by one cost ~100 us a tensor in calls,
-    more than their changes did. A tensor whose "set" kind or zstd'd positions deserve a trial
-    gets it here, as in :func:`encode_changes`."""
-    from .kernels import NEEDS_POSITIONS, NEEDS_VALUES, encode_sparse_many
+    more than their changes did. The zstd trials of :func:`choose_mode` and
+    :func:`encode_positions` run here, for the tensors the kernel flags."""
+    from .kernels import NEEDS_ALL, NEEDS_POSITIONS_TRIAL, NEEDS_SET_TRIAL, encode_sparse_many
 
     out: list[EncodedTensor | None] = [None] * len(items)
     widths: dict[np.dtype, list[int]] = {}
@@ -548,18 +554,27 @@ def encode_changes_many(items: Sequence[SparseChange]) -> list[EncodedTensor]:
         np.cumsum([it.positions.shape[0] for it in group], out=starts[1:])
         tables = np.empty((len(group), ALPHABET), dtype=np.int64)
         spans = np.empty((len(group), 7), dtype=np.int64)
+        estimates = np.empty((len(group), 2))
         buf = encode_sparse_many(starts, np.concatenate([it.positions for it in group]),
                                  np.concatenate([it.xor for it in group]),
                                  np.concatenate([it.new_at for it in group]),
-                                 SAMPLE, SET_GATE, PATTERN_SAMPLE, ALPHABET, tables, spans)
-        for i, it, t, (needs, add, k, code, raw, rice, end) in zip(at, group, tables, spans.tolist()):
-            if needs & NEEDS_VALUES:
+                                 SAMPLE, SET_GATE, PATTERN_SAMPLE, ALPHABET, tables, spans, estimates)
+        for i, it, t, (needs, add, k, code, raw, rice, end), estimate in zip(at, group, tables, spans.tolist(),
+                                                                              estimates.tolist()):
+            if needs & NEEDS_ALL:
                 out[i] = encode_changes(it.entry, it.name, it.positions, it.xor, lambda n=None, it=it: it.new_at[:n])
                 continue
-            positions = (encode_positions(it.positions) if needs & NEEDS_POSITIONS
-                         else (bytes([k]) + buf[rice:end].tobytes(), 0, "rice"))
-            out[i] = _sparse(it.entry, it.name, "add" if add else "xor", it.positions.shape[0],
-                             ints_blob(t, buf[code:raw], buf[raw:rice]), positions)
+            mode = "add" if add else "xor"
+            if not needs & NEEDS_SET_TRIAL:
+                values = ints_blob(t, buf[code:raw], buf[raw:rice])
+            elif len(trial := encode_values(it.new_at[:SAMPLE])) < min(estimate):
+                mode, values = "set", trial if it.new_at.shape[0] <= SAMPLE else encode_values(it.new_at)
+            else:
+                values = encode_value_bits(mode, value_bits(mode, it.xor, it.new_at))
+            positions = bytes([k]) + buf[rice:end].tobytes()
+            positions = (_zstd_trial(it.positions, positions) if needs & NEEDS_POSITIONS_TRIAL
+                         else (positions, 0, "rice"))
+            out[i] = _sparse(it.entry, it.name, mode, it.positions.shape[0], values, positions)
     return out
 
 

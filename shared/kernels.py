@@ -784,23 +784,38 @@ def _put(buf, used, data):  # pragma: no cover
     return buf, need
 
 
-# encode_sparse_many's per-tensor row of ``spans``, and what a tensor still needs from Python
+@numba.njit(cache=True, nogil=True)
+def _value_bits(xor, new, add):  # pragma: no cover
+    """``codec.value_bits`` of "add" (new - old, wrapping in the element's width) or "xor"."""
+    bits = np.empty_like(xor)
+    if add:
+        for i in range(xor.shape[0]):
+            v = np.uint64(new[i])
+            bits[i] = v - (v ^ np.uint64(xor[i]))
+    else:
+        bits[:] = xor
+    return bits
+
+
+# encode_sparse_many's per-tensor row of ``spans``, and what a tensor still needs from its caller
 SPAN_NEEDS, SPAN_MODE, SPAN_K, SPAN_CODE, SPAN_RAW, SPAN_RICE, SPAN_END = range(7)
-NEEDS_VALUES, NEEDS_POSITIONS = 1, 2
+NEEDS_SET_TRIAL, NEEDS_POSITIONS_TRIAL, NEEDS_ALL = 1, 2, 4
 
 
 @numba.njit(cache=True, nogil=True)
-def encode_sparse_many(starts, positions, xor, new, sample, gate, pattern, alphabet, tables, spans):  # pragma: no cover
+def encode_sparse_many(starts, positions, xor, new, sample, gate, pattern, alphabet, tables, spans,
+                       estimates):  # pragma: no cover
     """``codec.encode_changes`` of many tensors in one call (per tensor, the calls cost ~100 us of
     dispatch and numpy: most of what a tensor with few changes took). Tensor ``t`` is changes
     ``starts[t]:starts[t+1]`` of the sorted ``positions``, their ``xor`` and ``new`` bits.
 
     Per tensor: the value kind ("xor" 0 or "add" 1) estimated smaller on the first ``sample``
-    changes by :func:`value_kind_sizes`, its symbol frequencies into ``tables[t]``, its rANS code
-    and raw bits, and the positions' Rice code, appended to the returned buffer; ``spans[t]``
-    (``SPAN_*``) says where. What this call does not decide is left to the caller in
-    ``spans[t, SPAN_NEEDS]``: ``NEEDS_VALUES`` where "set" deserves its zstd trial (then nothing
-    else is coded for the tensor), ``NEEDS_POSITIONS`` where :func:`zstd_may_win`."""
+    changes by :func:`value_kind_sizes` (its estimates into ``estimates[t]``), its symbol
+    frequencies into ``tables[t]``, its rANS code and raw bits, and the positions' Rice code,
+    appended to the returned buffer; ``spans[t]`` (``SPAN_*``) says where. The zstd trials are
+    left to the caller, flagged in ``spans[t, SPAN_NEEDS]``: ``NEEDS_SET_TRIAL`` where the "set"
+    kind may beat the estimates (no values coded), ``NEEDS_POSITIONS_TRIAL`` where :func:`zstd_may_win` against the
+    Rice code, ``NEEDS_ALL`` where the counts could not be quantised (nothing kept)."""
     buf = np.empty(1 << 16, dtype=np.uint8)
     used = 0
     sizes = np.empty(3)
@@ -808,36 +823,31 @@ def encode_sparse_many(starts, positions, xor, new, sample, gate, pattern, alpha
         a, b = starts[t], starts[t + 1]
         k = min(sample, b - a)
         g = min(gate, k)
-        value_kind_sizes(xor[a:a + k], new[a:a + k], g, alphabet, sizes)
         spans[t, :] = used
         spans[t, SPAN_NEEDS], spans[t, SPAN_MODE], spans[t, SPAN_K] = 0, 0, 0
-        if k == 0 or sizes[2] * k / g < 2 * min(sizes[0], sizes[1]):
-            spans[t, SPAN_NEEDS] = NEEDS_VALUES
+        if k == 0:
+            spans[t, SPAN_NEEDS] = NEEDS_ALL
             continue
+        value_kind_sizes(xor[a:a + k], new[a:a + k], g, alphabet, sizes)
+        estimates[t, 0], estimates[t, 1] = sizes[0], sizes[1]
         add = sizes[1] < sizes[0]  # ties go to "xor"
-        if add:  # new - old, wrapping in the element's width
-            bits = np.empty(b - a, dtype=xor.dtype)
-            for i in range(b - a):
-                v = np.uint64(new[a + i])
-                bits[i] = v - (v ^ np.uint64(xor[a + i]))
-        else:
-            bits = xor[a:b].copy()
-        freq, code, raw, ok = encode_ints_parts(bits, add, alphabet)
-        if not ok:
-            spans[t, SPAN_NEEDS] = NEEDS_VALUES
-            continue
-        tables[t, :] = freq
         spans[t, SPAN_MODE] = np.int64(add)
-        buf, used = _put(buf, used, code)
-        spans[t, SPAN_RAW] = used
-        buf, used = _put(buf, used, raw)
-        spans[t, SPAN_RICE] = used
-        rk, rice = rice_auto(positions[a:b], True)
-        if zstd_may_win(positions[a:b], rice.shape[0] + 1, pattern):  # + the byte of k
-            spans[t, SPAN_NEEDS] = NEEDS_POSITIONS
+        if sizes[2] * k / g < 2 * min(sizes[0], sizes[1]):
+            spans[t, SPAN_NEEDS] = NEEDS_SET_TRIAL  # "set" usually wins then: no values coded here
         else:
-            spans[t, SPAN_K] = rk
-            buf, used = _put(buf, used, rice)
+            freq, code, raw, ok = encode_ints_parts(_value_bits(xor[a:b], new[a:b], add), add, alphabet)
+            if not ok:
+                spans[t, SPAN_NEEDS] = NEEDS_ALL
+                continue
+            tables[t, :] = freq
+            buf, used = _put(buf, used, code)
+            spans[t, SPAN_RAW] = used
+            buf, used = _put(buf, used, raw)
+        spans[t, SPAN_RICE] = used
+        spans[t, SPAN_K], rice = rice_auto(positions[a:b], True)
+        if zstd_may_win(positions[a:b], rice.shape[0] + 1, pattern):  # + the byte of k
+            spans[t, SPAN_NEEDS] |= NEEDS_POSITIONS_TRIAL
+        buf, used = _put(buf, used, rice)
         spans[t, SPAN_END] = used
     return buf[:used]
 
