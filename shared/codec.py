@@ -55,8 +55,8 @@ import safetensors.torch
 import torch
 from pydantic import BaseModel, ValidationError
 
-from .changes import (INT_VIEW, SIGNED_NP, UNSIGNED_NP, Changes, find_changes, map_balanced,
-                      unsigned_view)
+from .changes import (INT_VIEW, SIGNED_NP, THREADS_FROM_CHANGES, UNSIGNED_NP, Changes, find_changes,
+                      map_balanced, map_batches, unsigned_view)
 from .entropy import (
     ALPHABET,
     decode_ints_into,
@@ -587,20 +587,34 @@ def encode_state(base: Mapping[str, torch.Tensor],
     the GIL). ``new`` may be a function of the name, so that e.g. a bf16 cast of fp32 master
     weights exists for one tensor at a time rather than for the whole model. ``digests``: of
     the new tensors, if known; ``base_fingerprints``: of ``base``, if known (a caller that keeps
-    them, as a publisher does, gets the new ones in O(changes) instead of from every element)."""
+    them, as a publisher does, gets the new ones in O(changes) instead of from every element).
+    The sparse changes are coded together at the end (:func:`encode_changes_many`)."""
     names = sorted(base)
     get = new if callable(new) else new.__getitem__
 
-    def one(n: str) -> EncodedTensor:
-        return encode_tensor(n, base[n], get(n), update=update, threads=False,
-                             digest=digests[n] if digests else None, compact=compact,
-                             base_fingerprint=base_fingerprints[n] if base_fingerprints else None)
+    def one(n: str) -> EncodedTensor | SparseChange:
+        """``n`` encoded, or its sparse change with everything that needs the new tensor done."""
+        t, digest = get(n), digests[n] if digests else None
+        base_fingerprint = base_fingerprints[n] if base_fingerprints else None
+        found = detect_tensor(n, base[n], t, update=update, digest=digest, threads=False)
+        t = t.contiguous()
+        if compact or not isinstance(found, Changes):
+            return encode_found(n, t, found, digest=digest, base_fingerprint=base_fingerprint, compact=compact)
+        new_at = gather_new(t, found)
+        entry = TensorEntry(dtype=dtype_name(t.dtype), shape=list(t.shape), digest=_digest(t, digest),
+                            fingerprint=fingerprint_after(t, found, base_fingerprint, new_at).hex())
+        return SparseChange(entry, n, found.positions, found.xor, new_at)
 
     from tqdm.auto import tqdm
 
     sizes = [base[n].numel() * base[n].element_size() for n in names]
     with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="encode", disable=not progress) as bar:
-        return dict(zip(names, map_balanced(one, names, sizes, bar)))
+        found = dict(zip(names, map_balanced(one, names, sizes, bar)))
+    sparse = [f for f in found.values() if isinstance(f, SparseChange)]
+    coded = map_batches(encode_changes_many, sparse, [f.positions.shape[0] for f in sparse],
+                        serial_below=THREADS_FROM_CHANGES)
+    found.update((f.name, e) for f, e in zip(sparse, coded))
+    return found
 
 
 def _metadata(header: Header) -> dict[str, str]:

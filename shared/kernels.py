@@ -814,8 +814,9 @@ def encode_sparse_many(starts, positions, xor, new, sample, gate, pattern, alpha
     frequencies into ``tables[t]``, its rANS code and raw bits, and the positions' Rice code,
     appended to the returned buffer; ``spans[t]`` (``SPAN_*``) says where. The zstd trials are
     left to the caller, flagged in ``spans[t, SPAN_NEEDS]``: ``NEEDS_SET_TRIAL`` where the "set"
-    kind may beat the estimates (no values coded), ``NEEDS_POSITIONS_TRIAL`` where :func:`zstd_may_win` against the
-    Rice code, ``NEEDS_ALL`` where the counts could not be quantised (nothing kept)."""
+    kind may beat the estimates (no values coded), ``NEEDS_POSITIONS_TRIAL`` where
+    :func:`zstd_may_win` against the Rice code, ``NEEDS_ALL`` where the counts could not be
+    quantised (nothing kept)."""
     buf = np.empty(1 << 16, dtype=np.uint8)
     used = 0
     sizes = np.empty(3)
