@@ -109,3 +109,30 @@ def test_failure_mid_apply_rolls_back(chain3, monkeypatch):
     target = {n: t.clone() for n, t in s0.items()}
     e = refused(d1, target, version=0, commitment=c0)
     assert e.reason == "digest_mismatch"
+
+
+def test_values_wider_than_their_element_are_refused():
+    """A value blob that decodes to values wider than the tensor's elements (an encoder's bug, or
+    a blob swapped in under a payload digest that matches it) is refused by name, in the decoding
+    of a whole delta (positions and values in one loop) and of a blob alone, and nothing changes."""
+    import numpy as np
+
+    from shared.codec import POS, VAL, build_delta, encode_state, save_delta
+    from shared.entropy import decode_ints_into, encode_ints
+
+    torch.manual_seed(0)
+    base = {"w": (torch.randn(64, 128) * 0.02).bfloat16()}
+    bits = base["w"].view(torch.int16).clone()
+    at = torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(0))[:160]
+    bits.view(-1)[at] ^= 1  # one-ulp moves at random places: values entropy-coded, positions Rice-coded
+    encoded = encode_state(base, {"w": bits.view(torch.bfloat16)})
+    entry = encoded["w"].entry
+    assert entry.coders == {VAL: "ans", POS: "rice"}  # the fused decoding's case
+    wide = np.full(entry.changed, 1 << 17, dtype=np.uint64)  # 18 bits, for 16-bit elements
+    encoded["w"].blobs["w" + VAL] = torch.frombuffer(bytearray(encode_ints(wide)), dtype=torch.uint8)
+    c0 = anchor_header(base, version=0).commitment
+    header, tensors = build_delta(encoded, version=1, base_version=0, base_commitment=c0)
+    e = refused(save_delta(header, tensors), {n: t.clone() for n, t in base.items()}, version=0, commitment=c0)
+    assert e.reason == "corrupt" and "w: entropy-coded blob: value wider than its element" in str(e)
+    with pytest.raises(DeltaError, match="value wider than its element"):
+        decode_ints_into(encode_ints(wide), np.empty(len(wide), np.uint16))
