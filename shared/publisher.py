@@ -30,7 +30,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx
-import numpy as np
 import torch
 
 from .chain import AnchorPolicy, Chain, ObjectRef, anchor_key, delta_key, ref_for
@@ -61,13 +60,14 @@ from .codec import (
     encode_found,
     encode_positions_classed,
     encode_tensor,
+    fingerprints_after,
     gather_new,
     save_anchor,
     save_delta,
 )
 from .digest import dtype_name, tensor_digest
 from .errors import DeltaError
-from .fingerprint import Fingerprint, add_lanes, delta_lanes, fingerprint_delta
+from .fingerprint import Fingerprint, fingerprint_delta
 from .fingerprint import fingerprints as fingerprints_of
 from .lock import WriterLock
 from .stores import Store, open_store
@@ -479,7 +479,8 @@ class DeltaPublisher:
         job.report.changed, job.report.int32_bf16_bytes = changed, 6 * changed  # set, not read: that waits for this
 
         new_at = {n: gather_new(self._snapshot[n], f) for n, f in job.found.items() if isinstance(f, Changes)}
-        fingerprints = self._sparse_fingerprints(job.found, new_at)
+        fingerprints = fingerprints_after({n: (job.found[n].positions, job.found[n].xor, bits)
+                                           for n, bits in new_at.items()}, self._fingerprints)
 
         def one(n: str) -> EncodedTensor:
             return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact, new_at=new_at.get(n),
@@ -568,20 +569,6 @@ class DeltaPublisher:
         """Whether a tensor with ``changed`` of ``numel`` elements changed is copied next version:
         ``copy_from`` of it or more changed, and something did unless ``copy_from`` is 0."""
         return changed >= self.copy_from * numel and (changed > 0 or self.copy_from == 0)
-
-    def _sparse_fingerprints(self, found: Mapping[str, EncodedTensor | Changes | DenseChange],
-                             new_at: Mapping[str, np.ndarray]) -> dict[str, str]:
-        """The new fingerprints of the tensors found changed sparsely, from their bases' in one
-        kernel call per element width (per tensor, a call's overhead was ~30 us: most of what a
-        tensor with few changes costs)."""
-        widths: dict[int, list[str]] = {}
-        for n, bits in new_at.items():
-            widths.setdefault(bits.itemsize * 8, []).append(n)
-        out = {}
-        for width, names in widths.items():  # the bit views of changes are 16- or 32-bit
-            lanes = delta_lanes([(found[n].positions, new_at[n] ^ found[n].xor, new_at[n]) for n in names], width)
-            out.update(zip(names, add_lanes([self._fingerprints[n].hex() for n in names], lanes)))
-        return out
 
     def _new_digest(self) -> str | None:
         """The ``digest`` argument of the encoders for a touched tensor: None (compute it) or ""
