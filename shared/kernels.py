@@ -785,15 +785,12 @@ def _put(buf, used, data):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def _value_bits(xor, new, add):  # pragma: no cover
-    """``codec.value_bits`` of "add" (new - old, wrapping in the element's width) or "xor"."""
+def _add_bits(xor, new):  # pragma: no cover
+    """``codec.value_bits`` of "add": new - old, wrapping in the element's width."""
     bits = np.empty_like(xor)
-    if add:
-        for i in range(xor.shape[0]):
-            v = np.uint64(new[i])
-            bits[i] = v - (v ^ np.uint64(xor[i]))
-    else:
-        bits[:] = xor
+    for i in range(xor.shape[0]):
+        v = np.uint64(new[i])
+        bits[i] = v - (v ^ np.uint64(xor[i]))
     return bits
 
 
@@ -836,7 +833,8 @@ def encode_sparse_many(starts, positions, xor, new, sample, gate, pattern, alpha
         if sizes[2] * k / g < 2 * min(sizes[0], sizes[1]):
             spans[t, SPAN_NEEDS] = NEEDS_SET_TRIAL  # "set" usually wins then: no values coded here
         else:
-            freq, code, raw, ok = encode_ints_parts(_value_bits(xor[a:b], new[a:b], add), add, alphabet)
+            bits = _add_bits(xor[a:b], new[a:b]) if add else xor[a:b]
+            freq, code, raw, ok = encode_ints_parts(bits, add, alphabet)
             if not ok:
                 spans[t, SPAN_NEEDS] = NEEDS_ALL
                 continue

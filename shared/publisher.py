@@ -487,14 +487,14 @@ class DeltaPublisher:
                                 fingerprint=fingerprints.get(n), base_fingerprint=self._fingerprints[n],
                                 digest=self._new_digest())
 
-        def batch(batch: list[str]) -> list[EncodedTensor]:
+        def batch(members: list[str]) -> list[EncodedTensor]:
             """The sparse changes coded in one call (unless ``compact``, which codes each against
             its base), the rest one by one."""
-            sparse = [] if self.compact else [n for n in batch if n in new_at]
+            sparse = [] if self.compact else [n for n in members if n in new_at]
             coded = dict(zip(sparse, encode_changes_many([
                 SparseChange(self._entry(n, fingerprints[n]), n, job.found[n].positions, job.found[n].xor, new_at[n])
                 for n in sparse])))
-            return [coded[n] if n in coded else one(n) for n in batch]
+            return [coded[n] if n in coded else one(n) for n in members]
 
         work = [_encode_work(job.found[n], self._snapshot[n]) for n in names]
         encoded = dict(zip(names, map_batches(batch, names, work, serial_below=THREADS_FROM_CHANGES)))
