@@ -684,7 +684,7 @@ def payload_digest(blobs: Mapping[str, torch.Tensor | np.ndarray]) -> str:
 
 def save_delta(header: Header, tensors: Mapping[str, torch.Tensor]) -> bytes:
     if all(t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous() for t in tensors.values()):
-        # the same bytes as the library's writers, given as safetensors' own TensorSpecs: their
+        # the file the library's writers make, given as safetensors' own TensorSpecs: their
         # per-array checks cost ~7-13 us a blob (0.96 against 0.20 ms for 131 blobs). ``tensors``
         # keeps every blob alive while serialize reads it.
         return safetensors.serialize({k: safetensors.TensorSpec(dtype="uint8", shape=[t.numel()], data_ptr=t.data_ptr(),
