@@ -413,9 +413,11 @@ def encode_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
                         base_fingerprint=base_fingerprint, compact=compact)
 
 
-def _digest(t: torch.Tensor, digest: str | None) -> str:
-    """``digest`` when the caller knows it or passed ``""`` (not wanted), else computed."""
-    return tensor_digest(t) if digest is None else digest
+def tensor_entry(t: torch.Tensor, digest: str | None, fingerprint: str = "") -> TensorEntry:
+    """The entry of ``t`` as it is now, before its coding: its dtype and shape, ``digest`` when the
+    caller knows it or passed ``""`` (not wanted), else computed, and ``fingerprint`` if known."""
+    return TensorEntry(dtype=dtype_name(t.dtype), shape=list(t.shape),
+                       digest=tensor_digest(t) if digest is None else digest, fingerprint=fingerprint)
 
 
 def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
@@ -432,7 +434,7 @@ def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
     new = new.contiguous()
 
     def entry() -> TensorEntry:
-        return TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape), digest=_digest(new, digest))
+        return tensor_entry(new, digest)
 
     if new.dtype not in INT_VIEW:
         if raw_bytes(old) == raw_bytes(new):
@@ -508,7 +510,7 @@ def _encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes |
                   new_at: np.ndarray | None, *, digest: str | None, compact: bool) -> EncodedTensor:
     if isinstance(found, EncodedTensor):
         return found
-    entry = TensorEntry(dtype=dtype_name(new.dtype), shape=list(new.shape), digest=_digest(new, digest))
+    entry = tensor_entry(new, digest)
     if isinstance(found, DenseChange):
         n = unsigned_view(new)
         mode = choose_mode(found.xor, lambda k=None: n[:k])
@@ -620,9 +622,7 @@ def encode_state(base: Mapping[str, torch.Tensor],
         new_at = gather_new(t, found)
         # from the base's, for all of them at once below; else from every element, while t exists
         fingerprint = "" if base_fingerprint is not None else tensor_fingerprint(t, threads=False).hex()
-        entry = TensorEntry(dtype=dtype_name(t.dtype), shape=list(t.shape), digest=_digest(t, digest),
-                            fingerprint=fingerprint)
-        return SparseChange(entry, n, found.positions, found.xor, new_at)
+        return SparseChange(tensor_entry(t, digest, fingerprint), n, found.positions, found.xor, new_at)
 
     from tqdm.auto import tqdm
 

@@ -64,8 +64,9 @@ from .codec import (
     gather_new,
     save_anchor,
     save_delta,
+    tensor_entry,
 )
-from .digest import dtype_name, tensor_digest
+from .digest import tensor_digest
 from .errors import DeltaError
 from .fingerprint import Fingerprint, fingerprint_delta
 from .fingerprint import fingerprints as fingerprints_of
@@ -428,9 +429,8 @@ class DeltaPublisher:
 
     def _unchanged(self, name: str) -> EncodedTensor:
         """A tensor's entry when nothing in it changed: the base's digest and fingerprint."""
-        snap = self._snapshot[name]
-        return EncodedTensor(TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape), digest=self._digests[name],
-                                         fingerprint=self._fingerprints[name].hex()), {})
+        entry = tensor_entry(self._snapshot[name], self._digests[name], self._fingerprints[name].hex())
+        return EncodedTensor(entry, {})
 
     def _copy_in(self, name: str, live: torch.Tensor) -> _Copied:
         """The live bits (cast as :meth:`_cast` does) copied into the tensor's spare buffer, which
@@ -577,9 +577,7 @@ class DeltaPublisher:
 
     def _entry(self, name: str, fingerprint: str) -> TensorEntry:
         """A touched tensor's entry before its coding: the snapshot's (already the new state)."""
-        snap = self._snapshot[name]
-        return TensorEntry(dtype=dtype_name(snap.dtype), shape=list(snap.shape), fingerprint=fingerprint,
-                           digest=tensor_digest(snap) if self.digests == "every" else "")
+        return tensor_entry(self._snapshot[name], self._new_digest(), fingerprint)
 
     def _encode_where(self, name: str, live: torch.Tensor) -> EncodedTensor:
         """One tensor's change, found on the device that holds it (the host snapshot follows)."""
