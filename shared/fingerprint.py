@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from .digest import dtype_name, state_digest_from_entries
 
 MASK64 = (1 << 64) - 1
 _HEX64 = re.compile("[0-9a-f]{64}")
+_LANES = struct.Struct(">4Q")  # a fingerprint's hex: its lanes as big-endian words
 K = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5)
 M1, M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 WIDTHS = (8, 16, 32, 64)
@@ -88,13 +90,14 @@ class Fingerprint:
         return Fingerprint() - self
 
     def hex(self) -> str:
-        return "".join(f"{v:016x}" for v in self.lanes)
+        return _LANES.pack(*self.lanes).hex()
 
     @classmethod
     def from_hex(cls, text: str) -> Fingerprint:
+        # struct, not int() per lane: a publisher converts every touched tensor's each version
         if not isinstance(text, str) or not _HEX64.fullmatch(text):
             raise ValueError(f"a fingerprint is 64 lowercase hex digits: {text!r}")
-        return cls(tuple(int(text[16 * k:16 * k + 16], 16) for k in range(4)))
+        return cls(_LANES.unpack(bytes.fromhex(text)))
 
     def __str__(self) -> str:
         return self.hex()
