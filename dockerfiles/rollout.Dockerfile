@@ -27,6 +27,10 @@ RUN python3 -m pip install -r requirements.txt && \
 COPY --chown=1000:1000 . .
 RUN python3 -m pip install --no-deps .
 USER 1000
+# numba's kernels compiled into the image, so that a first version need not wait for them (~15 s);
+# numba uses this cache only on the kind of CPU it was built on (the Space also warms up at start).
+ENV NUMBA_CACHE_DIR=/home/user/.cache/numba
+RUN deltasync warmup
 # The store is DELTASYNC_STORE; unset inside a Space, it is hf://buckets/<namespace>/deltasync/run1 (from SPACE_ID).
 ENV MODEL=Qwen/Qwen3-0.6B \
     VLLM_ARGS=""

@@ -31,6 +31,10 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu &
 COPY --chown=1000:1000 . .
 RUN pip install --no-deps .
 USER 1000
+# numba's kernels compiled into the image, so that a first version need not wait for them (~15 s);
+# numba uses this cache only on the kind of CPU it was built on (the Space also warms up at start).
+ENV NUMBA_CACHE_DIR=/home/user/.cache/numba
+RUN deltasync warmup
 
 EXPOSE 7860
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \

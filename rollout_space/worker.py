@@ -41,6 +41,7 @@ from shared.codec import DeltaFile
 from shared.digest import tensor_digest
 from shared.fingerprint import tensor_fingerprint
 from shared.errors import DeltaError
+from shared.warmup import warm_in_background
 
 from .cpu_weights import keep_plain_cpu_weights
 from .mapping import EngineMap, LiveMap, build_map, checkpoint_specs, map_key, param_specs
@@ -153,6 +154,7 @@ class DeltaWorkerExtension:
                                      "after loading")
             shards = {n: (weights.held.fingerprints[n], file_fps[n]) for n in split}  # the server adds them up
             self._deltasync_state = _State(weights, emap)
+            warm_in_background()  # the numba kernels of staging, compiled before the first delta
             return _ok(state_digest=weights.held.state_digest, state_fingerprint=weights.held.state_fingerprint,
                        tensors=len(emap.tensors), shards=shards,
                        specs=weights.held.specs,

@@ -31,6 +31,7 @@ from rich.table import Table
 
 from shared.access import open_without_token
 from shared.spaces import space_setting
+from shared.warmup import warm_in_background
 
 from .monitor import Monitor
 from .train import RunSettings, run
@@ -188,15 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     a = parse_args(argv)
-    if a.local:
-        return run_local(a)
     # One secret is enough for a Space: the replicas' update token also guards Start and Stop.
     token = os.environ.get("DELTASYNC_TRAINER_TOKEN") or os.environ.get("DELTASYNC_TOKEN")
-    if open_without_token(a.host, token, a.insecure_no_token):
+    if not a.local and open_without_token(a.host, token, a.insecure_no_token):
         print(f"python -m trainer_space: refusing to serve on {a.host} without DELTASYNC_TOKEN or "
               "DELTASYNC_TRAINER_TOKEN (anyone could start or stop runs); set one, or pass --insecure-no-token",
               file=sys.stderr)
         return 2
+    warm_in_background()  # so that the first publish() finds the numba kernels compiled
+    if a.local:
+        return run_local(a)
     serve(space_defaults(), a.host, a.port, token=token)
     return 0
 

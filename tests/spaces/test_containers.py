@@ -71,6 +71,9 @@ def space(request, tmp_path: Path):
     (cmd,) = dockerfile(folder, "CMD")
     env = {**image_env(folder, home), "HOME": str(home), "PATH": f"{venv}/bin:/usr/bin:/bin",
            "PORT": str(free_port())}
+    for step in dockerfile(folder, "RUN"):  # the image's build steps after the installs, as its user
+        if step.startswith("deltasync "):
+            run(shlex.split(step), cwd=folder, env=env)
     return folder, json.loads(cmd), env
 
 
