@@ -20,6 +20,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from shared.publisher import DeltaPublisher  # noqa: E402
+from shared.warmup import warm_in_background  # noqa: E402
+
+warm_in_background()  # numba's kernels compiled while the model loads, not in the first publish()
 
 ap = argparse.ArgumentParser()
 for flag in ("--model", "--store", "--replica", "--token"):
