@@ -490,20 +490,12 @@ def fingerprint_after(new: torch.Tensor, found: EncodedTensor | Changes | DenseC
     return tensor_fingerprint(new, threads=False)
 
 
-def fingerprints_after(changes: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
-                       base: Mapping[str, Fingerprint]) -> dict[str, str]:
-    """The new fingerprints (hex) of tensors changed sparsely, ``changes[name]`` = (positions, their
-    XORs, the new bits there), from the bases' fingerprints ``base[name]`` in one kernel call per
-    element width: a call per tensor cost ~30 us, most of what a tensor with few changes costs."""
-    widths: dict[int, list[str]] = {}
-    for n, (_, _, new_at) in changes.items():
-        widths.setdefault(new_at.itemsize * 8, []).append(n)
-    out = {}
-    for width, names in widths.items():  # the bit views of changes are 16- or 32-bit
-        lanes = delta_lanes([(pos, new_at ^ xor, new_at) for pos, xor, new_at in map(changes.__getitem__, names)],
-                            width)
-        out.update(zip(names, add_lanes([base[n].hex() for n in names], lanes)))
-    return out
+def fingerprints_after(batch: ChangeBatch, base: Mapping[str, Fingerprint]) -> dict[str, str]:
+    """The new fingerprints (hex) of the tensors of ``batch``, from their bases' fingerprints
+    ``base[name]``, in one kernel call: a call per tensor cost ~30 us, most of what a tensor with
+    few changes costs."""
+    lanes = delta_lanes(batch.positions, batch.new ^ batch.xor, batch.new, batch.starts, batch.new.itemsize * 8)
+    return dict(zip(batch.names, add_lanes([base[n].hex() for n in batch.names], lanes)))
 
 
 def _encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | DenseChange,
@@ -544,56 +536,91 @@ def encode_changes(entry: TensorEntry, name: str, pos: np.ndarray, xor: np.ndarr
     return enc
 
 
-class SparseChange(NamedTuple):
-    """One tensor's changes for :func:`encode_changes_many`: its entry so far, its name, and its
-    sorted positions with the XOR and new bits there."""
+class ChangeBatch(NamedTuple):
+    """The sparse changes of several tensors of one element width, end to end: tensor ``k``
+    (``names[k]``) changed at ``positions[starts[k]:starts[k + 1]]`` (sorted), by the XORs there,
+    to the new bits there. The kernels after detection (the new fingerprints, the coding) take a
+    batch in one call each: a call per tensor cost more than a tensor of 0.1% changed, and the
+    arrays are joined once, not once per kernel."""
 
-    entry: TensorEntry
-    name: str
-    positions: np.ndarray
-    xor: np.ndarray
-    new_at: np.ndarray
+    names: list[str]
+    starts: np.ndarray  # int64, one more than names
+    positions: np.ndarray  # int64
+    xor: np.ndarray  # unsigned, of the element width
+    new: np.ndarray  # the same type
+
+    @classmethod
+    def join(cls, names: Sequence[str], positions: Sequence[np.ndarray], xor: Sequence[np.ndarray],
+             new: Sequence[np.ndarray]) -> ChangeBatch:
+        starts = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum([p.shape[0] for p in positions], out=starts[1:])
+        return cls(list(names), starts, *(np.concatenate(parts) for parts in (positions, xor, new)))
+
+    def part(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Tensor ``k``'s positions, XORs and new bits (views)."""
+        a, b = self.starts[k], self.starts[k + 1]
+        return self.positions[a:b], self.xor[a:b], self.new[a:b]
 
 
-def encode_changes_many(items: Sequence[SparseChange]) -> list[EncodedTensor]:
-    """:func:`encode_changes` of many tensors, the same bytes, in one kernel call per element width
-    (:func:`shared.kernels.encode_sparse_many`). A delta of 0.1% of a model is a hundred or more
-    tensors of a few hundred changes, and coding them one by one cost ~100 us a tensor in calls,
-    more than their changes did. The zstd trials of :func:`choose_mode` and
-    :func:`encode_positions` run here, for the tensors the kernel flags."""
+def change_batches(found: Mapping[str, Changes], after: Mapping[str, torch.Tensor]) -> list[ChangeBatch]:
+    """``found``'s changes joined per element width, each with the new bits gathered from ``after``
+    (the tensors after the change: contiguous, on the CPU) in one kernel call; a gather per
+    tensor cost ~10 us of numpy and torch views beside its cache misses."""
+    from .kernels import gather_many
+
+    widths: dict[np.dtype, list[str]] = {}
+    for n, c in found.items():
+        widths.setdefault(c.xor.dtype, []).append(n)
+    out = []
+    for dtype, names in widths.items():
+        tensors = [after[n] for n in names]
+        if not all(t.is_cpu and t.is_contiguous() and t.element_size() == dtype.itemsize for t in tensors):
+            raise ValueError(f"the tensors after the change must be contiguous, on the CPU, of {dtype.itemsize * 8}-bit "
+                             "elements")
+        starts = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum([found[n].count for n in names], out=starts[1:])
+        positions = np.concatenate([found[n].positions for n in names])
+        xor = np.concatenate([found[n].xor for n in names])
+        new = np.empty_like(xor)
+        table = np.array([(t.data_ptr(), t.numel()) for t in tensors], dtype=np.int64)
+        bad = gather_many(table, new, starts, positions, new)
+        if bad >= 0:
+            raise ValueError(f"{names[bad]}: changed positions outside its {tensors[bad].numel()} elements")
+        out.append(ChangeBatch(names, starts, positions, xor, new))
+    return out
+
+
+def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry]) -> list[EncodedTensor]:
+    """:func:`encode_changes` of each tensor of ``batch`` (``entries``: their entries so far), the
+    same bytes, in one kernel call (:func:`shared.kernels.encode_sparse_many`). A delta of 0.1%
+    of a model is a hundred or more tensors of a few hundred changes, and coding them one by one
+    cost ~100 us a tensor in calls, more than their changes did. The zstd trials of
+    :func:`choose_mode` and :func:`encode_positions` run here, for the tensors the kernel flags."""
     from .kernels import NEEDS_ALL, NEEDS_POSITIONS_TRIAL, NEEDS_SET_TRIAL, encode_sparse_many
 
-    out: list[EncodedTensor | None] = [None] * len(items)
-    widths: dict[np.dtype, list[int]] = {}
-    for i, it in enumerate(items):
-        widths.setdefault(it.xor.dtype, []).append(i)
-    for at in widths.values():
-        group = [items[i] for i in at]
-        starts = np.zeros(len(group) + 1, dtype=np.int64)
-        np.cumsum([it.positions.shape[0] for it in group], out=starts[1:])
-        tables = np.empty((len(group), ALPHABET), dtype=np.int64)
-        spans = np.empty((len(group), 7), dtype=np.int64)
-        estimates = np.empty((len(group), 2))
-        buf = encode_sparse_many(starts, np.concatenate([it.positions for it in group]),
-                                 np.concatenate([it.xor for it in group]),
-                                 np.concatenate([it.new_at for it in group]),
-                                 SAMPLE, SET_GATE, PATTERN_SAMPLE, ALPHABET, tables, spans, estimates)
-        for i, it, t, (needs, add, k, code, raw, rice, end), estimate in zip(at, group, tables, spans.tolist(),
-                                                                              estimates.tolist()):
-            if needs & NEEDS_ALL:
-                out[i] = encode_changes(it.entry, it.name, it.positions, it.xor, lambda n=None, it=it: it.new_at[:n])
-                continue
-            mode = "add" if add else "xor"
-            if not needs & NEEDS_SET_TRIAL:
-                values = ints_blob(t, buf[code:raw], buf[raw:rice])
-            elif len(trial := encode_values(it.new_at[:SAMPLE])) < min(estimate):
-                mode, values = "set", trial if it.new_at.shape[0] <= SAMPLE else encode_values(it.new_at)
-            else:
-                values = encode_value_bits(mode, value_bits(mode, it.xor, it.new_at))
-            positions = bytes([k]) + buf[rice:end].tobytes()
-            positions = (_zstd_trial(it.positions, positions) if needs & NEEDS_POSITIONS_TRIAL
-                         else (positions, 0, "rice"))
-            out[i] = _sparse(it.entry, it.name, mode, it.positions.shape[0], values, positions)
+    count = len(batch.names)
+    tables = np.empty((count, ALPHABET), dtype=np.int64)
+    spans = np.empty((count, 7), dtype=np.int64)
+    estimates = np.empty((count, 2))
+    buf = encode_sparse_many(batch.starts, batch.positions, batch.xor, batch.new, SAMPLE, SET_GATE,
+                             PATTERN_SAMPLE, ALPHABET, tables, spans, estimates)
+    out = []
+    for k, (name, entry, t, (needs, add, rice_k, code, raw, rice, end), estimate) in enumerate(
+            zip(batch.names, entries, tables, spans.tolist(), estimates.tolist())):
+        pos, xor, new = batch.part(k)
+        if needs & NEEDS_ALL:
+            out.append(encode_changes(entry, name, pos, xor, lambda n=None, new=new: new[:n]))
+            continue
+        mode = "add" if add else "xor"
+        if not needs & NEEDS_SET_TRIAL:
+            values = ints_blob(t, buf[code:raw], buf[raw:rice])
+        elif len(trial := encode_values(new[:SAMPLE])) < min(estimate):
+            mode, values = "set", trial if new.shape[0] <= SAMPLE else encode_values(new)
+        else:
+            values = encode_value_bits(mode, value_bits(mode, xor, new))
+        positions = bytes([rice_k]) + buf[rice:end].tobytes()
+        positions = _zstd_trial(pos, positions) if needs & NEEDS_POSITIONS_TRIAL else (positions, 0, "rice")
+        out.append(_sparse(entry, name, mode, pos.shape[0], values, positions))
     return out
 
 
@@ -611,33 +638,43 @@ def encode_state(base: Mapping[str, torch.Tensor],
     names = sorted(base)
     get = new if callable(new) else new.__getitem__
 
-    def one(n: str) -> EncodedTensor | SparseChange:
-        """``n`` encoded, or its sparse change with everything that needs the new tensor done."""
+    def one(n: str) -> EncodedTensor | tuple[TensorEntry, Changes, np.ndarray]:
+        """``n`` encoded, or its entry, sparse change and new bits there, with everything that
+        needs the new tensor done."""
         t, digest = get(n), digests[n] if digests else None
         base_fingerprint = base_fingerprints[n] if base_fingerprints else None
         found = detect_tensor(n, base[n], t, update=update, digest=digest, threads=False)
         t = t.contiguous()
         if compact or not isinstance(found, Changes):
             return encode_found(n, t, found, digest=digest, base_fingerprint=base_fingerprint, compact=compact)
-        new_at = gather_new(t, found)
         # from the base's, for all of them at once below; else from every element, while t exists
         fingerprint = "" if base_fingerprint is not None else tensor_fingerprint(t, threads=False).hex()
-        return SparseChange(tensor_entry(t, digest, fingerprint), n, found.positions, found.xor, new_at)
+        return tensor_entry(t, digest, fingerprint), found, gather_new(t, found)
 
     from tqdm.auto import tqdm
 
     sizes = [base[n].numel() * base[n].element_size() for n in names]
     with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="encode", disable=not progress) as bar:
         found = dict(zip(names, map_balanced(one, names, sizes, bar)))
-    sparse = [f for f in found.values() if isinstance(f, SparseChange)]
-    fingerprints = fingerprints_after({f.name: (f.positions, f.xor, f.new_at) for f in sparse
-                                       if not f.entry.fingerprint}, base_fingerprints or {})
-    for f in sparse:
-        if not f.entry.fingerprint:
-            f.entry.fingerprint = fingerprints[f.name]
-    coded = map_batches(encode_changes_many, sparse, [f.positions.shape[0] for f in sparse],
-                        serial_below=THREADS_FROM_CHANGES)
-    found.update((f.name, e) for f, e in zip(sparse, coded))
+    sparse = [n for n in names if isinstance(found[n], tuple)]
+
+    def code(members: list[str]) -> list[EncodedTensor]:
+        widths: dict[np.dtype, list[str]] = {}
+        for n in members:
+            widths.setdefault(found[n][1].xor.dtype, []).append(n)
+        coded = {}
+        for group in widths.values():
+            entries, changes, new_at = zip(*(found[n] for n in group))
+            batch = ChangeBatch.join(group, [c.positions for c in changes], [c.xor for c in changes], new_at)
+            if base_fingerprints is not None:  # the new fingerprints from the bases'
+                fingerprints = fingerprints_after(batch, base_fingerprints)
+                for n, e in zip(group, entries):
+                    e.fingerprint = fingerprints[n]
+            coded.update(zip(group, encode_changes_many(batch, entries)))
+        return [coded[n] for n in members]
+
+    found.update(zip(sparse, map_batches(code, sparse, [found[n][1].count for n in sparse],
+                                         serial_below=THREADS_FROM_CHANGES)))
     return found
 
 

@@ -384,25 +384,23 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
     return list(map(Gathered, held_t, dest_t, old_t, new_t, lanes))
 
 
-def delta_lanes(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], width: int) -> np.ndarray:
-    """:func:`fingerprint_delta` of each ``(indices, old_bits, new_bits)`` (numpy, elements of
-    ``width`` = 8, 16 or 32 bits) as rows of four uint64 lanes for :func:`add_lanes`, in one
-    kernel call on the CPU: a publisher updates every touched tensor's fingerprint each version,
-    and through :func:`fingerprint_deltas` (torch views, ``Fingerprint`` objects) that cost ~40 us
-    a tensor, most of it at 0.1% changed."""
+def delta_lanes(indices: np.ndarray, old: np.ndarray, new: np.ndarray, bounds: np.ndarray,
+                width: int) -> np.ndarray:
+    """:func:`fingerprint_delta` of each segment ``bounds[k]:bounds[k+1]`` of ``indices`` (int64)
+    and the ``old`` and ``new`` bits there (numpy, elements of ``width`` = 8, 16 or 32 bits), as
+    rows of four uint64 lanes for :func:`add_lanes`, in one kernel call on the CPU: a publisher
+    updates every touched tensor's fingerprint each version, and through
+    :func:`fingerprint_deltas` (torch views, ``Fingerprint`` objects) that cost ~40 us a tensor,
+    most of it at 0.1% changed. The segments come joined, as the coder takes them too."""
     if width not in (8, 16, 32):
         raise ValueError(f"8-32-bit elements, not {width}-bit")
-    if not all(i.ndim == o.ndim == n.ndim == 1 and i.shape[0] == o.shape[0] == n.shape[0] and
-               o.itemsize * 8 == n.itemsize * 8 == width for i, o, n in items):
-        raise ValueError(f"each item needs one old and one new {width}-bit element per index")
-    if not items:
-        return np.zeros((0, 4), dtype=np.uint64)
-    bounds = np.zeros(len(items) + 1, dtype=np.int64)
-    np.cumsum([i.shape[0] for i, _, _ in items], out=bounds[1:])
+    if not (indices.ndim == old.ndim == new.ndim == 1 and indices.shape[0] == old.shape[0] == new.shape[0]
+            and old.itemsize * 8 == new.itemsize * 8 == width and bounds.shape[0] >= 1
+            and bounds[0] == 0 and bounds[-1] == indices.shape[0]):
+        raise ValueError(f"one old and one new {width}-bit element per index, in segments that cover them")
     u = _UNSIGNED_NP[width]
-    return _segment_lanes(np.concatenate([i for i, _, _ in items]).astype(np.int64, copy=False),
-                          np.concatenate([o for _, o, _ in items]).view(u),
-                          np.concatenate([n for _, _, n in items]).view(u), width, bounds)
+    return _segment_lanes(indices.astype(np.int64, copy=False), old.view(u), new.view(u), width,
+                          bounds.astype(np.int64, copy=False))
 
 
 def add_lanes(fingerprints: Sequence[str], lanes: np.ndarray) -> list[str]:

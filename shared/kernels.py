@@ -243,6 +243,22 @@ def scan_many(table, old_like, new_like, chunk, max_fraction, out_pos, out_xor, 
 
 
 @numba.njit(cache=True, nogil=True)
+def gather_many(table, like, starts, positions, out):  # pragma: no cover
+    """``out[j] = tensor k's element positions[j]`` for ``j`` in ``starts[k]:starts[k + 1]``, tensor
+    ``k`` at ``table[k]`` = (address of its bits, its element count), its elements of ``like``'s
+    type. Returns -1, or the first ``k`` with a position outside its tensor (``out`` then holds
+    garbage)."""
+    for k in range(table.shape[0]):
+        src = numba.carray(address_as(table[k, 0], like), table[k, 1])
+        for j in range(starts[k], starts[k + 1]):
+            p = positions[j]
+            if p < 0 or p >= table[k, 1]:
+                return k
+            out[j] = src[p]
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
 def gaps_to_positions(planes, count, nbytes, out):  # pragma: no cover
     """Byte planes of gaps (plane b holds byte b of every gap) to absolute positions."""
     pos = -1

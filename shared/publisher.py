@@ -49,10 +49,10 @@ from .codec import (
     DenseChange,
     EncodedTensor,
     Header,
-    SparseChange,
     TensorEntry,
     anchor_header,
     build_delta,
+    change_batches,
     dense_change,
     detect_tensor,
     encode_changes,
@@ -61,7 +61,6 @@ from .codec import (
     encode_positions_classed,
     encode_tensor,
     fingerprints_after,
-    gather_new,
     save_anchor,
     save_delta,
     tensor_entry,
@@ -478,22 +477,19 @@ class DeltaPublisher:
         changed = sum(_changed(f) for f in job.found.values())
         job.report.changed, job.report.int32_bf16_bytes = changed, 6 * changed  # set, not read: that waits for this
 
-        new_at = {n: gather_new(self._snapshot[n], f) for n, f in job.found.items() if isinstance(f, Changes)}
-        fingerprints = fingerprints_after({n: (job.found[n].positions, job.found[n].xor, bits)
-                                           for n, bits in new_at.items()}, self._fingerprints)
-
         def one(n: str) -> EncodedTensor:
-            return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact, new_at=new_at.get(n),
-                                fingerprint=fingerprints.get(n), base_fingerprint=self._fingerprints[n],
-                                digest=self._new_digest())
+            return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact,
+                                base_fingerprint=self._fingerprints[n], digest=self._new_digest())
 
         def batch(members: list[str]) -> list[EncodedTensor]:
-            """The sparse changes coded in one call (unless ``compact``, which codes each against
-            its base), the rest one by one."""
-            sparse = [] if self.compact else [n for n in members if n in new_at]
-            coded = dict(zip(sparse, encode_changes_many([
-                SparseChange(self._entry(n, fingerprints[n]), n, job.found[n].positions, job.found[n].xor, new_at[n])
-                for n in sparse])))
+            """The sparse changes coded in one call per element width (unless ``compact``, which
+            codes each against its base), the rest one by one."""
+            sparse = {} if self.compact else {n: job.found[n] for n in members if isinstance(job.found[n], Changes)}
+            coded = {}
+            for changes in change_batches(sparse, self._snapshot):
+                fingerprints = fingerprints_after(changes, self._fingerprints)
+                coded.update(zip(changes.names, encode_changes_many(
+                    changes, [self._entry(n, fingerprints[n]) for n in changes.names])))
             return [coded[n] if n in coded else one(n) for n in members]
 
         work = [_encode_work(job.found[n], self._snapshot[n]) for n in names]

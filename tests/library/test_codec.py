@@ -551,11 +551,11 @@ def test_find_changes_many_leaves_what_it_does_not_take_to_the_one_tensor_path()
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), count=st.integers(1, 12))
 def test_sparse_changes_coded_together_are_coded_as_one_by_one(seed, count):
-    """``encode_changes_many`` (one kernel call for every tensor of a width) writes the same
-    entries and bytes as ``encode_changes`` per tensor, including the tensors whose "set" kind or
-    zstd'd positions it leaves to their trials: one-ulp moves, random XORs, a constant reset,
+    """``encode_changes_many`` (one kernel call for a batch of tensors of one width) writes the
+    same entries and bytes as ``encode_changes`` per tensor, including the tensors whose "set" kind
+    or zstd'd positions it leaves to their trials: one-ulp moves, random XORs, a constant reset,
     runs of positions, 16- and 32-bit elements."""
-    from shared.codec import SparseChange, TensorEntry, encode_changes, encode_changes_many
+    from shared.codec import ChangeBatch, TensorEntry, encode_changes, encode_changes_many
 
     rng = np.random.default_rng(seed)
     items = []
@@ -578,9 +578,40 @@ def test_sparse_changes_coded_together_are_coded_as_one_by_one(seed, count):
             xor = (rng.integers(1, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True) if kind == "random"
                    else rng.integers(1, 4, n).astype(dtype))
         entry = TensorEntry(dtype="bfloat16" if dtype == np.uint16 else "float32", shape=[numel], fingerprint="ab" * 32)
-        items.append(SparseChange(entry, f"t{t}", positions, xor, new))
-    together = encode_changes_many(items)
-    for it, got in zip(items, together, strict=True):
-        want = encode_changes(it.entry, it.name, it.positions, it.xor, lambda k=None, it=it: it.new_at[:k])
-        assert got.entry == want.entry
-        assert {k: bytes(v.numpy()) for k, v in got.blobs.items()} == {k: bytes(v.numpy()) for k, v in want.blobs.items()}
+        items.append((f"t{t}", entry, positions, xor, new))
+    for width in (np.uint16, np.uint32):
+        group = [it for it in items if it[3].dtype == width]
+        if not group:
+            continue
+        names, entries, positions, xor, new = zip(*group)
+        together = encode_changes_many(ChangeBatch.join(names, positions, xor, new), entries)
+        for (name, entry, pos, x, n), got in zip(group, together, strict=True):
+            want = encode_changes(entry, name, pos, x, lambda k=None, n=n: n[:k])
+            assert got.entry == want.entry
+            assert {k: bytes(v.numpy()) for k, v in got.blobs.items()} == \
+                {k: bytes(v.numpy()) for k, v in want.blobs.items()}
+
+
+def test_change_batches_join_per_width_and_gather_the_new_bits():
+    """``change_batches`` joins the changes of tensors of one element width, with the bits after
+    the change at each position (what a fancy index gives), and refuses, by name, a position
+    outside its tensor."""
+    from shared.changes import Changes, unsigned_view
+    from shared.codec import change_batches
+
+    g = torch.Generator().manual_seed(3)
+    after = {"a": torch.randn(300, generator=g).bfloat16(), "b": torch.randn(7, 9, generator=g),
+             "c": torch.randn(50, generator=g).half()}
+    found = {n: Changes(torch.randperm(t.numel(), generator=g)[:k].sort().values.numpy(),
+                        np.full(k, 1, dtype=unsigned_view(t).dtype))
+             for (n, t), k in zip(after.items(), (40, 5, 0))}
+    batches = {b.xor.itemsize: b for b in change_batches(found, after)}
+    assert batches[2].names == ["a", "c"] and batches[4].names == ["b"]
+    for b in batches.values():
+        for k, n in enumerate(b.names):
+            pos, xor, new = b.part(k)
+            assert np.array_equal(pos, found[n].positions) and np.array_equal(xor, found[n].xor)
+            assert np.array_equal(new, unsigned_view(after[n])[found[n].positions])
+    found["a"].positions[-1] = 300
+    with pytest.raises(ValueError, match="^a: changed positions outside its 300 elements"):
+        change_batches(found, after)

@@ -171,13 +171,18 @@ def test_delta_lanes_equal_fingerprint_delta(width, sizes, seed):
               rng.integers(0, 2**width, n, dtype=u)) for n in sizes]
     base = [tensor_fingerprint(random_tensor(torch.float32, (9,), seed + k)).hex() for k in range(len(items))]
     want = [(Fingerprint.from_hex(b) + fingerprint_delta(i, o, n, width)).hex() for b, (i, o, n) in zip(base, items)]
-    assert add_lanes(base, delta_lanes(items, width)) == want
+    bounds = np.cumsum([0, *sizes])
+    joined = [np.concatenate([item[k] for item in items]) if items else np.empty(0, d)
+              for k, d in enumerate((np.int64, u, u))]
+    assert add_lanes(base, delta_lanes(*joined, bounds, width)) == want
     if items and sizes[0]:
-        i, o, n = items[0]
+        i, o, n = joined
         with pytest.raises(ValueError, match=">= 0"):
-            delta_lanes([(np.concatenate([[-1], i[1:]]), o, n)], width)
+            delta_lanes(np.concatenate([[-1], i[1:]]), o, n, bounds, width)
         with pytest.raises(ValueError, match=f"{width}-bit"):
-            delta_lanes([(i, o.astype(np.uint64), n)], width)
+            delta_lanes(i, o.astype(np.uint64), n, bounds, width)
+        with pytest.raises(ValueError, match="cover"):  # segments past the elements
+            delta_lanes(i, o, n, np.concatenate([bounds[:-1], [bounds[-1] + 1]]), width)
 
 
 def test_batched_updates_split_over_threads(monkeypatch):
