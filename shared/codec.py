@@ -457,14 +457,12 @@ def detect_tensor(name: str, old: torch.Tensor, new: torch.Tensor, *, update: bo
 
 def encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | DenseChange, *,
                  digest: str | None = None, fingerprint: str | None = None,
-                 base_fingerprint: Fingerprint | None = None, compact: bool = False,
-                 new_at: np.ndarray | None = None) -> EncodedTensor:
+                 base_fingerprint: Fingerprint | None = None, compact: bool = False) -> EncodedTensor:
     """What :func:`detect_tensor` found, encoded from the new bits ``new`` alone (the old ones
     are ``new ^ xor``). The entry's fingerprint is ``fingerprint`` when the caller knows it,
     else ``base_fingerprint`` (the old tensor's) updated at the changed positions, else the
-    whole new tensor's. ``new_at``: :func:`gather_new` of ``found``, if the caller has it."""
-    if new_at is None:
-        new_at = gather_new(new, found)
+    whole new tensor's."""
+    new_at = gather_new(new, found)
     enc = _encode_found(name, new, found, new_at, digest=digest, compact=compact)
     if not enc.entry.fingerprint:
         enc.entry.fingerprint = fingerprint or fingerprint_after(new, found, base_fingerprint, new_at).hex()
@@ -551,10 +549,13 @@ class ChangeBatch(NamedTuple):
 
     @classmethod
     def join(cls, names: Sequence[str], positions: Sequence[np.ndarray], xor: Sequence[np.ndarray],
-             new: Sequence[np.ndarray]) -> ChangeBatch:
+             new: Sequence[np.ndarray] | None) -> ChangeBatch:
+        """The batch of these tensors' arrays; ``new`` None: left to fill (uninitialised)."""
         starts = np.zeros(len(names) + 1, dtype=np.int64)
         np.cumsum([p.shape[0] for p in positions], out=starts[1:])
-        return cls(list(names), starts, *(np.concatenate(parts) for parts in (positions, xor, new)))
+        joined = np.concatenate(xor)
+        return cls(list(names), starts, np.concatenate(positions), joined,
+                   np.empty_like(joined) if new is None else np.concatenate(new))
 
     def part(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Tensor ``k``'s positions, XORs and new bits (views)."""
@@ -577,16 +578,12 @@ def change_batches(found: Mapping[str, Changes], after: Mapping[str, torch.Tenso
         if not all(t.is_cpu and t.is_contiguous() and t.element_size() == dtype.itemsize for t in tensors):
             raise ValueError(f"the tensors after the change must be contiguous, on the CPU, of {dtype.itemsize * 8}-bit "
                              "elements")
-        starts = np.zeros(len(names) + 1, dtype=np.int64)
-        np.cumsum([found[n].count for n in names], out=starts[1:])
-        positions = np.concatenate([found[n].positions for n in names])
-        xor = np.concatenate([found[n].xor for n in names])
-        new = np.empty_like(xor)
+        batch = ChangeBatch.join(names, [found[n].positions for n in names], [found[n].xor for n in names], None)
         table = np.array([(t.data_ptr(), t.numel()) for t in tensors], dtype=np.int64)
-        bad = gather_many(table, new, starts, positions, new)
+        bad = gather_many(table, batch.new, batch.starts, batch.positions, batch.new)
         if bad >= 0:
             raise ValueError(f"{names[bad]}: changed positions outside its {tensors[bad].numel()} elements")
-        out.append(ChangeBatch(names, starts, positions, xor, new))
+        out.append(batch)
     return out
 
 
