@@ -24,8 +24,9 @@ reliability: $(SETUP)  ## faults, load, soak and bad input; prints one table, wr
 containers: $(SETUP)  ## each Space's container CMD in a fresh virtualenv installed from its rendered folder
 	$(PY) -m pytest -q -m install tests/spaces/test_containers.py
 
-bench: $(SETUP)  ## codec, the replica's pause and per-version checks inside vLLM, fingerprints, the first version after a start, then the 0.6B-1T scale projection
+bench: $(SETUP)  ## codec, where the payload's bytes go, the replica's pause and per-version checks inside vLLM, fingerprints, the first version after a start, then the 0.6B-1T scale projection
 	$(PY) -m bench.codec
+	$(PY) -m bench.payload_bounds
 	$(PY) -m bench.apply_vllm
 	$(PY) -m bench.verify_cost
 	$(PY) -m bench.fingerprint
