@@ -4,8 +4,9 @@ numba compiles a kernel at its first call and caches the machine code on disk, k
 it was built for (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside the source when it is
 writable, else ``~/.cache``). A process with a cold cache paid it on its first version: on the
 2-core VM of this project ~3 s inside the trainer's first ``publish()`` (the scans, holding the
-training loop), ~12 s in the encoder thread after it, and ~3 s in a replica's first apply. A
-Space's container starts with an empty cache unless its image holds one.
+training loop), ~12 s in the encoder thread after it, and ~3 s in a replica's first apply
+(``python -m bench.cold_start``). A Space's container starts with an empty cache unless its image
+holds one.
 
 So the images run :func:`warm` at build time (``deltasync warmup``, into their
 ``NUMBA_CACHE_DIR``), which helps where the Space runs on the kind of CPU the image was built
