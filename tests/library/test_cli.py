@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -144,3 +147,17 @@ def test_sharded_checkpoint_folder(tiny_model_dir, tmp_path):
     run("diff", folder, tmp_path / "new.safetensors", "-o", tmp_path / "d.safetensors")
     run("apply", folder, tmp_path / "d.safetensors", "-o", tmp_path / "out.safetensors")
     assert state_digest(load_state(tmp_path / "out.safetensors")) == state_digest(new)
+
+
+
+def test_warmup_runs_a_trainer_and_a_replica(tmp_path):
+    """``deltasync warmup`` (an image's last build step) runs both parts into NUMBA_CACHE_DIR and
+    says where that is. In a process of its own, as in an image build: run from the test zygote (a
+    fork of a process that has run torch's and blake3's thread pools) it hung."""
+    cache = tmp_path / "numba"
+    p = subprocess.run([sys.executable, "-m", "shared.cli", "warmup"], capture_output=True, text=True,
+                       env={**os.environ, "NUMBA_CACHE_DIR": str(cache)}, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("kernels compiled or loaded in ") and "publish " in p.stdout and "apply " in p.stdout
+    assert p.stdout.rstrip().endswith(f"cache: {cache}")
+    assert any(cache.rglob("*.nbi"))  # numba's index files: the kernels are in the cache
