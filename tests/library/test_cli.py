@@ -149,7 +149,6 @@ def test_sharded_checkpoint_folder(tiny_model_dir, tmp_path):
     assert state_digest(load_state(tmp_path / "out.safetensors")) == state_digest(new)
 
 
-
 def test_warmup_runs_a_trainer_and_a_replica(tmp_path):
     """``deltasync warmup`` (an image's last build step) runs both parts into NUMBA_CACHE_DIR and
     says where that is. In a process of its own, as in an image build: run from the test zygote (a
