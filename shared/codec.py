@@ -63,6 +63,7 @@ from .entropy import (
     encode_ints,
     ints_blob,
     ints_sections_many,
+    rice_blob,
     rice_decode,
     rice_encode,
     zstd_compress,
@@ -615,7 +616,7 @@ def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry]) -> l
             mode, values = "set", trial if new.shape[0] <= SAMPLE else encode_values(new)
         else:
             values = encode_value_bits(mode, value_bits(mode, xor, new))
-        positions = bytes([rice_k]) + buf[rice:end].tobytes()
+        positions = rice_blob(rice_k, buf[rice:end])
         positions = _zstd_trial(pos, positions) if needs & NEEDS_POSITIONS_TRIAL else (positions, 0, "rice")
         out.append(_sparse(entry, name, mode, pos.shape[0], values, positions))
     return out

@@ -168,6 +168,11 @@ def rice_encode(x: np.ndarray, running: bool = False) -> bytes:
     from . import kernels
 
     k, code = kernels.rice_auto(np.ascontiguousarray(x, dtype=np.int64 if running else np.uint64), running)
+    return rice_blob(k, code)
+
+
+def rice_blob(k: int, code: np.ndarray) -> bytes:
+    """The blob of :func:`rice_encode` from its parts: the parameter's byte, then the code."""
     return bytes([k]) + code.tobytes()
 
 
