@@ -33,10 +33,12 @@ CHUNK_ELEMENTS = 1 << 22  # elements per task: big enough to amortise, small eno
 
 @dataclass
 class Changes:
-    """Changed positions (flat C-order, sorted) and the XOR of old and new bits there."""
+    """Changed positions (flat C-order, sorted), the XOR of old and new bits there and, where
+    the scan recorded them, the new bits there."""
 
     positions: np.ndarray  # int64
     xor: np.ndarray  # unsigned int of the element width
+    new: np.ndarray | None = None  # the same type; None: gather them from the new tensor
 
     @property
     def count(self) -> int:
@@ -52,24 +54,26 @@ def unsigned_view(t: torch.Tensor) -> np.ndarray:
 _SCRATCH = threading.local()
 
 
-def _scratch(cap: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Per-thread output buffers, reused across calls: fresh pages cost a fault each (very
-    expensive in a microVM), and the result is copied out at its true, small size anyway."""
-    pos, xor = getattr(_SCRATCH, "pos", None), getattr(_SCRATCH, "xor_" + dtype.str, None)
-    if pos is None or pos.shape[0] < cap:
-        pos = _SCRATCH.pos = np.empty(cap, dtype=np.int64)
-    if xor is None or xor.shape[0] < cap:
-        xor = np.empty(cap, dtype=dtype)
-        setattr(_SCRATCH, "xor_" + dtype.str, xor)
-    return pos[:cap], xor[:cap]
+def _scratch(cap: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-thread output buffers (positions, XORs, new bits), reused across calls: fresh pages
+    cost a fault each (very expensive in a microVM), and the result is copied out at its true,
+    small size anyway."""
+    out = []
+    for key, t in (("pos", np.dtype(np.int64)), ("xor_" + dtype.str, dtype), ("new_" + dtype.str, dtype)):
+        buf = getattr(_SCRATCH, key, None)
+        if buf is None or buf.shape[0] < cap:
+            buf = np.empty(cap, dtype=t)
+            setattr(_SCRATCH, key, buf)
+        out.append(buf[:cap])
+    return tuple(out)
 
 
 def _scan_chunk(old: np.ndarray, new: np.ndarray, start: int, stop: int, cap: int, update: bool):
     from .kernels import scan_changes
 
-    pos, xor = _scratch(cap, old.dtype)
-    k = scan_changes(old[start:stop], new[start:stop], pos, xor, start, update)
-    return k, pos[:min(k, cap)].copy(), xor[:min(k, cap)].copy()
+    pos, xor, bits = _scratch(cap, old.dtype)
+    k = scan_changes(old[start:stop], new[start:stop], pos, xor, bits, start, update)
+    return k, Changes(pos[:min(k, cap)].copy(), xor[:min(k, cap)].copy(), bits[:min(k, cap)].copy())
 
 
 def _undo(old: np.ndarray, found: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -189,15 +193,15 @@ def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
     chunks = _chunks(o.shape[0], max_fraction)
     scan = lambda c: _scan_chunk(o, n, *c, update)  # noqa: E731 - the refresh is fused into the scan
     results = list(_pool("chunks").map(scan, chunks) if threads and len(chunks) > 1 else map(scan, chunks))
-    if any(k > cap for (k, _, _), (_, _, cap) in zip(results, chunks)):
+    if any(k > cap for (k, _), (_, _, cap) in zip(results, chunks)):
         if update:
-            _undo(o, [(pos, xor) for (k, pos, xor), (_, _, cap) in zip(results, chunks) if k <= cap])
+            _undo(o, [(c.positions, c.xor) for (k, c), (_, _, cap) in zip(results, chunks) if k <= cap])
         return None
     if len(results) == 1:  # already copied out of the scratch buffers
-        return Changes(results[0][1], results[0][2])
-    positions = np.concatenate([pos[:k] for k, pos, _ in results]) if results else np.empty(0, np.int64)
-    xor = np.concatenate([x[:k] for k, _, x in results]) if results else np.empty(0, o.dtype)
-    return Changes(positions, xor)
+        return results[0][1]
+    if not results:
+        return Changes(np.empty(0, np.int64), np.empty(0, o.dtype), np.empty(0, o.dtype))
+    return Changes(*(np.concatenate(parts) for parts in zip(*((c.positions, c.xor, c.new) for _, c in results))))
 
 
 TORCH_SLICE = CHUNK_ELEMENTS * 16  # elements compared at once on a device: bounds the bool mask
@@ -289,14 +293,14 @@ def find_changes_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, upd
                 table = np.array([(pairs[j][0].data_ptr(), pairs[j][1].data_ptr(), pairs[j][0].numel())
                                   for j in batch], dtype=np.int64)
                 counts = np.empty(len(batch), np.int64)
-                pos, xor = _scratch(total, u)
-                k = scan_many(table, like_old, like_new, CHUNK_ELEMENTS, max_fraction, pos, xor, counts,
+                pos, xor, bits = _scratch(total, u)
+                k = scan_many(table, like_old, like_new, CHUNK_ELEMENTS, max_fraction, pos, xor, bits, counts,
                               update, cast)
                 kept = np.maximum(counts, 0)
                 ends = np.cumsum(kept)[:-1]
-                for j, c, p, x in zip(batch, counts.tolist(), np.split(pos[:k].copy(), ends),
-                                      np.split(xor[:k].copy(), ends)):
-                    out[j] = Changes(p, x) if c >= 0 else (None if c == -1 else False)
+                for j, c, p, x, b in zip(batch, counts.tolist(), np.split(pos[:k].copy(), ends),
+                                         np.split(xor[:k].copy(), ends), np.split(bits[:k].copy(), ends)):
+                    out[j] = Changes(p, x, b) if c >= 0 else (None if c == -1 else False)
                 batch, total = [], 0
             if i is not None:
                 batch.append(i)

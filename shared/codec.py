@@ -471,9 +471,11 @@ def encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | 
 
 
 def gather_new(new: torch.Tensor, found: EncodedTensor | Changes | DenseChange) -> np.ndarray | None:
-    """The new bits at the changed positions (for :class:`Changes`), gathered once (a cache miss
-    per change) for the values and the fingerprint both."""
-    return unsigned_view(new)[found.positions] if isinstance(found, Changes) else None
+    """The new bits at the changed positions (for :class:`Changes`): the scan's, or gathered once
+    (a cache miss per change) for the values and the fingerprint both."""
+    if not isinstance(found, Changes):
+        return None
+    return found.new if found.new is not None else unsigned_view(new)[found.positions]
 
 
 def fingerprint_after(new: torch.Tensor, found: EncodedTensor | Changes | DenseChange,
@@ -565,9 +567,10 @@ class ChangeBatch(NamedTuple):
 
 
 def change_batches(found: Mapping[str, Changes], after: Mapping[str, torch.Tensor]) -> list[ChangeBatch]:
-    """``found``'s changes joined per element width, each with the new bits gathered from ``after``
-    (the tensors after the change: contiguous, on the CPU) in one kernel call; a gather per
-    tensor cost ~10 us of numpy and torch views beside its cache misses."""
+    """``found``'s changes joined per element width, each with the new bits: the scan's where it
+    recorded them all, else gathered from ``after`` (the tensors after the change: contiguous,
+    on the CPU) in one kernel call; a gather per tensor cost ~10 us of numpy and torch views
+    beside its cache misses."""
     from .kernels import gather_many
 
     widths: dict[np.dtype, list[str]] = {}
@@ -575,15 +578,19 @@ def change_batches(found: Mapping[str, Changes], after: Mapping[str, torch.Tenso
         widths.setdefault(c.xor.dtype, []).append(n)
     out = []
     for dtype, names in widths.items():
-        tensors = [after[n] for n in names]
-        if not all(t.is_cpu and t.is_contiguous() and t.element_size() == dtype.itemsize for t in tensors):
-            raise ValueError(f"the tensors after the change must be contiguous, on the CPU, of {dtype.itemsize * 8}-bit "
-                             "elements")
-        batch = ChangeBatch.join(names, [found[n].positions for n in names], [found[n].xor for n in names], None)
-        table = np.array([(t.data_ptr(), t.numel()) for t in tensors], dtype=np.int64)
-        bad = gather_many(table, batch.new, batch.starts, batch.positions, batch.new)
-        if bad >= 0:
-            raise ValueError(f"{names[bad]}: changed positions outside its {tensors[bad].numel()} elements")
+        changes = [found[n] for n in names]
+        scanned = all(c.new is not None for c in changes)
+        batch = ChangeBatch.join(names, [c.positions for c in changes], [c.xor for c in changes],
+                                 [c.new for c in changes] if scanned else None)
+        if not scanned:
+            tensors = [after[n] for n in names]
+            if not all(t.is_cpu and t.is_contiguous() and t.element_size() == dtype.itemsize for t in tensors):
+                raise ValueError("the tensors after the change must be contiguous, on the CPU, of "
+                                 f"{dtype.itemsize * 8}-bit elements")
+            table = np.array([(t.data_ptr(), t.numel()) for t in tensors], dtype=np.int64)
+            bad = gather_many(table, batch.new, batch.starts, batch.positions, batch.new)
+            if bad >= 0:
+                raise ValueError(f"{names[bad]}: changed positions outside its {tensors[bad].numel()} elements")
         out.append(batch)
     return out
 
@@ -677,9 +684,11 @@ def encode_state(base: Mapping[str, torch.Tensor],
 
 
 def _metadata(header: Header) -> dict[str, str]:
-    # the format version always written out (before format 3 it was left out as a default)
-    doc = {"format_version": header.format_version, **header.model_dump(mode="json", exclude_defaults=True)}
-    text = json.dumps(doc, separators=(",", ":"))
+    # The format version always written out first (before format 3 it was left out as a
+    # default). pydantic's own JSON, not json.dumps of a dict: 0.09 against 0.34 ms for a
+    # header of 79 tensors, which a publisher writes every version. It starts '{"kind":'.
+    body = header.model_dump_json(exclude_defaults=True)
+    text = f'{{"format_version":{header.format_version},{body[1:]}'
     return {"format": FORMAT, "deltasync": text, "deltasync_blake3": blake3.blake3(text.encode()).hexdigest()}
 
 

@@ -48,6 +48,7 @@ def test_fused_cast_equals_torch_cast_then_compare(seed: int, n: int, special: f
         return
     assert np.array_equal(fused.positions, expect.positions)
     assert np.array_equal(fused.xor, expect.xor)
+    assert np.array_equal(fused.new, expect.new) and fused.new.dtype == np.uint16  # the cast bits
     assert torch.equal(fused_old.view(torch.int16), torch_old.view(torch.int16))
 
 

@@ -326,6 +326,7 @@ def test_find_changes_agrees_with_a_plain_compare_at_the_dense_boundary(numel, d
     expect_xor = base.view(bits.dtype)[found.positions] ^ bits[found.positions]
     assert found.xor.astype(np.int64).tolist() == (expect_xor.numpy().astype(np.int64)
                                                     & (2 ** (8 * base.element_size()) - 1)).tolist()
+    assert found.new.tobytes() == bits[found.positions].numpy().tobytes()  # the scan's new bits
     assert torch.equal(old.view(bits.dtype), (new if update else base).view(bits.dtype))
 
 
@@ -530,6 +531,7 @@ def test_find_changes_many_is_find_changes_per_tensor(sizes, seed, fractions, ma
         else:
             assert r.positions.tolist() == e.positions.tolist()
             assert r.xor.tolist() == e.xor.tolist() and r.xor.dtype == e.xor.dtype
+            assert r.new.tobytes() == new.view(torch.uint8).numpy().view(r.xor.dtype)[r.positions].tobytes()
         assert torch.equal(old.view(torch.uint8), after.view(torch.uint8))
 
 
@@ -595,7 +597,7 @@ def test_sparse_changes_coded_together_are_coded_as_one_by_one(seed, count):
 def test_change_batches_join_per_width_and_gather_the_new_bits():
     """``change_batches`` joins the changes of tensors of one element width, with the bits after
     the change at each position (what a fancy index gives), and refuses, by name, a position
-    outside its tensor."""
+    outside its tensor; bits the scan recorded it takes as they are."""
     from shared.changes import Changes, unsigned_view
     from shared.codec import change_batches
 
@@ -615,3 +617,7 @@ def test_change_batches_join_per_width_and_gather_the_new_bits():
     found["a"].positions[-1] = 300
     with pytest.raises(ValueError, match="^a: changed positions outside its 300 elements"):
         change_batches(found, after)
+    # new bits the scan recorded are taken as they are, not gathered again
+    scanned = {n: Changes(c.positions, c.xor, np.arange(c.count, dtype=c.xor.dtype)) for n, c in found.items()}
+    for b in change_batches(scanned, after):
+        assert b.new.tolist() == [j for n in b.names for j in range(found[n].count)]
