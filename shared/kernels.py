@@ -57,7 +57,7 @@ def scan_changes(old, new, out_pos, out_xor, out_new, offset, update):  # pragma
     (40M, one thread). The block loop must count blocks, not step through elements: with
     ``range(0, n, 64)`` numba did not vectorise the compare (4x slower). The new bits are
     recorded while in a register: the encoder would otherwise gather them back from the
-    refreshed snapshot, a cache miss per change (~20 ns, half its time at 1% changed of 61M
+    refreshed snapshot, a cache miss per change (~20 ns, a third of its time at 1% changed of 61M
     bf16 elements). Returns the number of
     changes, or ``len(out_pos) + 1`` once there are more, and then this call's refresh has been
     taken back (``old`` is as it was).
