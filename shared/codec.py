@@ -643,9 +643,9 @@ def encode_state(base: Mapping[str, torch.Tensor],
     names = sorted(base)
     get = new if callable(new) else new.__getitem__
 
-    def one(n: str) -> EncodedTensor | tuple[TensorEntry, Changes, np.ndarray]:
-        """``n`` encoded, or its entry, sparse change and new bits there, with everything that
-        needs the new tensor done."""
+    def one(n: str) -> EncodedTensor | tuple[TensorEntry, Changes]:
+        """``n`` encoded, or its entry and sparse change (with the new bits there), with
+        everything that needs the new tensor done."""
         t, digest = get(n), digests[n] if digests else None
         base_fingerprint = base_fingerprints[n] if base_fingerprints else None
         found = detect_tensor(n, base[n], t, update=update, digest=digest, threads=False)
@@ -654,7 +654,7 @@ def encode_state(base: Mapping[str, torch.Tensor],
             return encode_found(n, t, found, digest=digest, base_fingerprint=base_fingerprint, compact=compact)
         # from the base's, for all of them at once below; else from every element, while t exists
         fingerprint = "" if base_fingerprint is not None else tensor_fingerprint(t, threads=False).hex()
-        return tensor_entry(t, digest, fingerprint), found, gather_new(t, found)
+        return tensor_entry(t, digest, fingerprint), Changes(found.positions, found.xor, gather_new(t, found))
 
     from tqdm.auto import tqdm
 
@@ -664,18 +664,15 @@ def encode_state(base: Mapping[str, torch.Tensor],
     sparse = [n for n in names if isinstance(found[n], tuple)]
 
     def code(members: list[str]) -> list[EncodedTensor]:
-        widths: dict[np.dtype, list[str]] = {}
-        for n in members:
-            widths.setdefault(found[n][1].xor.dtype, []).append(n)
         coded = {}
-        for group in widths.values():
-            entries, changes, new_at = zip(*(found[n] for n in group))
-            batch = ChangeBatch.join(group, [c.positions for c in changes], [c.xor for c in changes], new_at)
+        # every change carries its new bits, so change_batches needs no tensor to gather them from
+        for batch in change_batches({n: found[n][1] for n in members}, {}):
+            entries = [found[n][0] for n in batch.names]
             if base_fingerprints is not None:  # the new fingerprints from the bases'
                 fingerprints = fingerprints_after(batch, base_fingerprints)
-                for n, e in zip(group, entries):
+                for n, e in zip(batch.names, entries):
                     e.fingerprint = fingerprints[n]
-            coded.update(zip(group, encode_changes_many(batch, entries)))
+            coded.update(zip(batch.names, encode_changes_many(batch, entries)))
         return [coded[n] for n in members]
 
     found.update(zip(sparse, map_batches(code, sparse, [found[n][1].count for n in sparse],
