@@ -66,7 +66,7 @@ from shared.codec import DeltaFile, Header, TensorChange, TensorEntry, combine, 
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
-from shared.fingerprint import (Fingerprint, GatherItem, add_lanes, fingerprint_deltas, gather_updates,
+from shared.fingerprint import (Fingerprint, GatherItem, add_lanes, fingerprint_deltas, gather_updates, one_run,
                                 state_fingerprint, tensor_fingerprint)
 
 from .mapping import LiveMap
@@ -312,7 +312,14 @@ class LiveWeights:
             flat = self.live.flats[tables[0][0]] if len(tables) == 1 else None
             fits = flat is not None and flat.is_cpu and flat.dtype == dtype and flat.element_size() <= 4
             numel = self.live.map.tensors[change.name].numel
-            self._gather_at[change.name] = (_bits(flat), torch.from_numpy(tables[0][1]), numel) if fits else None
+            at = None
+            if fits:
+                (start, length, offset), *more = tables[0][1].tolist()
+                if not more and start == 0 and length == numel:  # the tensor is one run: its own view
+                    at = (_bits(flat)[offset:offset + numel], one_run(numel), numel)
+                else:
+                    at = (_bits(flat), torch.from_numpy(tables[0][1]), numel)
+            self._gather_at[change.name] = at
         at = self._gather_at[change.name]
         return None if at is None else GatherItem(*at, change.positions, change.bits, change.mode)
 

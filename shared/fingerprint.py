@@ -288,7 +288,8 @@ class GatherItem(NamedTuple):
     CPU parameter: element ``start + i`` of the tensor lives at ``target[at + i]`` for each row
     ``(start, length, at)`` of ``runs`` and ``0 <= i < length``."""
 
-    target: torch.Tensor  # flat 8-32-bit integer view of a CPU parameter
+    target: torch.Tensor  # flat 8-32-bit integer view of a CPU parameter, or of the tensor's one run
+    # in it (runs = one_run(numel)): then the positions are the write's indices, and none are made
     runs: torch.Tensor  # int64 (R, 3) on the CPU, by start, disjoint; a position in none is another rank's
     numel: int  # the tensor's elements
     positions: torch.Tensor  # int64, the tensor's flat indices
@@ -305,7 +306,8 @@ class Gathered(NamedTuple):
     """One item staged: what this rank holds of its change."""
 
     positions: torch.Tensor  # the tensor's flat indices held here (the item's own when all are)
-    dest: torch.Tensor  # where they live in the target
+    dest: torch.Tensor  # where they live in the target (the positions themselves for a target
+    # that is the tensor: one run, from 0, at 0)
     old: torch.Tensor  # the target's bits there
     new: torch.Tensor  # the bits after the write, by the item's rule
     lanes: np.ndarray  # four uint64: what the write adds to the fingerprint of the elements held here
@@ -328,6 +330,7 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
     rows = []  # per item: target, its elements, positions, bits, runs (addresses), run count, numel, rule
     bounds = [0]
     keep = []  # copies made contiguous here, alive until the kernel returns
+    indices = []  # per item, its positions as the kernel reads them (int64)
     for k, (target, runs, numel, positions, bits, mode) in enumerate(items):
         # attribute checks only: a tensor's .device or .shape comparison costs about a microsecond
         if not target.is_cpu or target.dim() != 1 or target.element_size() != size or not target.is_contiguous():
@@ -347,6 +350,7 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
                 or not runs.is_contiguous() or runs.dim() != 2 or runs.size(1) != 3:
             runs = torch.as_tensor(np.asarray(runs), dtype=torch.int64).reshape(-1, 3).contiguous()
             keep.append(runs)
+        indices.append(positions)
         rule = _RULES.get(mode)
         if rule is None:
             raise ValueError(f"item {k}: unknown rule {mode!r} (one of {sorted(_RULES)})")
@@ -358,9 +362,10 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
     held, dest = np.empty(total, np.int64), np.empty(total, np.int64)
     old, new = np.empty(total, u), np.empty(total, u)
     counts = np.empty(len(rows), np.int64)
+    direct = np.zeros(len(rows), np.uint8)
     lanes = np.zeros((len(rows), 4), np.uint64)
     failed = _kernels()["gather"](np.array(rows, dtype=np.int64), np.array(bounds, dtype=np.int64), width,
-                                  held, dest, old, new, counts, lanes)
+                                  held, dest, old, new, counts, direct, lanes)
     del keep
     if failed >= 0:
         k = failed // 2
@@ -378,7 +383,10 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
         sizes, step = [s for c, n in zip(counts_, spans) for s in (c, n - c)], 2
         held_t = [item.positions if c == n else h for item, c, n, h in
                   zip(items, counts_, spans, torch.from_numpy(held).split(sizes)[::2])]
-    dest_t = torch.from_numpy(dest).split(sizes)[::step]
+    if direct.all():  # targets that are their tensors: no dest written, none split
+        dest_t = indices
+    else:
+        dest_t = [i if d else t for i, d, t in zip(indices, direct.tolist(), torch.from_numpy(dest).split(sizes)[::step])]
     old_t = torch.from_numpy(old.view(signed)).split(sizes)[::step]
     new_t = torch.from_numpy(new.view(signed)).split(sizes)[::step]
     return list(map(Gathered, held_t, dest_t, old_t, new_t, lanes))
@@ -599,11 +607,12 @@ def _delta_kernel(idx, old, new, width, bounds, out):  # pragma: no cover - comp
     return True
 
 
-def _gather_kernel(table, bounds, width, held, dest, old, new, counts, out):  # pragma: no cover - numba
+def _gather_kernel(table, bounds, width, held, dest, old, new, counts, direct, out):  # pragma: no cover - numba
     """The writes of :func:`gather_updates` staged. Item ``k`` is ``table[k]`` = (addresses of its
     target, the target's elements, addresses of its positions, bits and runs, the run count, the
     tensor's elements, its rule: 0 ``old ^ bits``, 1 ``old + bits`` wrapping, 2 ``bits``) and owns
-    ``bounds[k]:bounds[k+1]`` of the outputs, of which it fills the first ``counts[k]``. Returns
+    ``bounds[k]:bounds[k+1]`` of the outputs, of which it fills the first ``counts[k]`` (not
+    ``dest`` where it sets ``direct[k]``: the target is the tensor, one run at 0). Returns
     -1, or with nothing read ``2k`` for item ``k``'s positions outside its tensor, ``2k + 1`` for
     its runs. One pass per step (gather, rule, fingerprint): fused into one loop, the gather's
     loads and the stores kept LLVM from vectorising the lanes, at 2.5x the time."""
@@ -628,13 +637,11 @@ def _gather_kernel(table, bounds, width, held, dest, old, new, counts, out):  # 
         runs = _nb_carray(_nb_address(table[k, 4], dest), (table[k, 5], 3))
         target = _nb_carray(_nb_address(table[k, 0], old), table[k, 1])
         d, o, n = dest[lo:hi], old[lo:hi], new[lo:hi]
-        if runs.shape[0] == 1 and runs[0, 0] == 0 and runs[0, 1] == numel:  # held whole, one run
-            offset = runs[0, 2]
-            for j in range(hi - lo):
-                at = positions[j] + offset
-                d[j] = at
-                o[j] = target[at]
+        if runs.shape[0] == 1 and runs[0, 0] == 0 and runs[0, 1] == numel and runs[0, 2] == 0:
+            for j in range(hi - lo):  # the target is the tensor: the positions are where (no dest)
+                o[j] = target[positions[j]]
             c, at_, src = hi - lo, positions, bits
+            direct[k] = 1
             if mode == 2:
                 n[:] = bits
         else:  # held in runs, some perhaps on other ranks

@@ -336,6 +336,10 @@ def test_gathered_updates_take_int32_positions_strided_bits_and_other_run_tables
     [got] = gather_updates([GatherItem(param, one_run(10, 2).to(torch.int32), 10, positions, bits, "set")])
     assert got.dest.tolist() == [2, 5, 7, 11] and got.old.tolist() == [2, 5, 7, 11]
     assert got.new.tolist() == [100, 105, 110, 115]
+    # a target that is the tensor (one run, from 0, at 0): the positions are the write's indices
+    [got] = gather_updates([GatherItem(param[2:12], one_run(10), 10, positions, bits, "set")])
+    assert got.dest.dtype == torch.int64 and got.dest.tolist() == [0, 3, 5, 9]
+    assert got.old.tolist() == [2, 5, 7, 11] and got.new.tolist() == [100, 105, 110, 115]
     assert gather_updates([]) == []
 
 
