@@ -60,8 +60,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from shared.apply import Patch, check_base
-from shared.changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced, map_batches
+from shared.apply import Patch, check_base, landed
+from shared.changes import INT_VIEW, map_balanced, map_batches
 from shared.codec import DeltaFile, Header, TensorChange, TensorEntry, combine, holds
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
@@ -72,10 +72,12 @@ from shared.fingerprint import (Fingerprint, GatherItem, add_lanes, fingerprint_
 from .mapping import LiveMap
 
 
-# Changed elements from which staging decodes and gathers on the tensor threads. Its kernels run
-# long enough between Python steps to gain from a second thread earlier than the work behind
-# THREADS_FROM_CHANGES: 61M parameters in vLLM, medians of 16 alternating runs, serial against
-# threaded: 11.7 against 14.8 ms at 0.1% changed (60k), 39.4 against 34.8 ms at 1% (610k).
+# Changed elements from which staging decodes and gathers, and the audit reads back, on the
+# tensor threads. Their kernels run long enough between Python steps to gain from a second
+# thread earlier than the work behind shared.changes.THREADS_FROM_CHANGES: 61M parameters in
+# vLLM, medians of 16 alternating runs, serial against threaded: 11.7 against 14.8 ms at 0.1%
+# changed (60k), 39.4 against 34.8 ms at 1% (610k); the read-back (30 each) 4.7 against 2.9 ms
+# at 1%.
 STAGE_THREADS_FROM = 1 << 18
 DIGEST_PASSES = 3  # a live digest that writes interrupted this often holds the write lock for its last pass
 
@@ -133,11 +135,6 @@ class Piece(NamedTuple):
     old: torch.Tensor  # checkpoint bits there, before and after the write
     new: torch.Tensor
     lanes: np.ndarray | None = None  # what the write adds to the tensor's fingerprint, if gathered with it
-
-
-def _landed(p: Patch) -> bool:
-    """Whether the patch's target holds its new bits (read back)."""
-    return torch.equal(p.target if p.positions is None else p.target.index_select(0, p.positions), p.new)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -448,9 +445,9 @@ class LiveWeights:
         whose engine parameter is no longer the model's (empty: the bits landed in the parameters;
         see the module docstring for what this does not prove). O(changes)."""
         unbound = set(self.unbound())
-        landed = map_balanced(_landed, staged.patches, [p.new.numel() for p in staged.patches],
-                              serial_below=THREADS_FROM_CHANGES)
-        bad = {p.name for p, ok in zip(staged.patches, landed) if not ok}
+        held = map_batches(landed, staged.patches, [p.new.numel() for p in staged.patches],
+                           serial_below=STAGE_THREADS_FROM)
+        bad = {p.name for p, ok in zip(staged.patches, held) if not ok}
         for n in staged.touched:
             params = {self.live.map.params[i].name for i in self.live.map.tensors[n].param}
             if params & unbound:

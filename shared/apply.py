@@ -13,9 +13,10 @@ Two kinds of patch, both with ``apply()`` and ``revert()``:
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced, map_batches
@@ -79,6 +80,37 @@ def _write(target: torch.Tensor, positions: torch.Tensor | None, bits: torch.Ten
         target.copy_(bits.reshape(-1).view(target.dtype) if bits.dtype != target.dtype else bits.reshape(-1))
     else:
         target.index_copy_(0, positions, bits)
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def landed(patches: Sequence[Patch]) -> list[bool]:
+    """Whether each patch's target holds its new bits, read back bit for bit. The CPU patches at
+    listed positions are read in one kernel call per element width
+    (:func:`~shared.kernels.equal_at_many`); the others (every element, another device) through
+    torch."""
+    from .kernels import equal_at_many
+
+    out: list[bool | None] = [None] * len(patches)
+    widths: dict[int, list[int]] = {}
+    for i, p in enumerate(patches):
+        t, pos, new = p.target, p.positions, p.new
+        if pos is not None and t.is_cpu and t.dim() == 1 and t.is_contiguous() and pos.is_cpu \
+                and pos.dtype is torch.int64 and pos.is_contiguous() and new.is_cpu and new.is_contiguous() \
+                and new.element_size() == t.element_size() and new.numel() == pos.numel():
+            widths.setdefault(t.element_size(), []).append(i)
+        else:
+            got = t if pos is None else t.index_select(0, pos.to(t.device, torch.int64))
+            out[i] = got.dtype == new.dtype and torch.equal(flat_bits(got), flat_bits(new))
+    for size, members in widths.items():
+        table = np.array([(patches[i].target.data_ptr(), patches[i].target.numel(), patches[i].positions.data_ptr(),
+                           patches[i].new.data_ptr(), patches[i].new.numel()) for i in members], dtype=np.int64)
+        ok = np.empty(len(members), dtype=np.uint8)
+        equal_at_many(table, np.empty(0, dtype=_UNSIGNED[size]), ok)
+        for i, v in zip(members, ok.tolist()):
+            out[i] = bool(v)
+    return out  # type: ignore[return-value]
 
 
 def make_patch(change: TensorChange, target: torch.Tensor, *,

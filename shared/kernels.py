@@ -266,6 +266,27 @@ def gather_many(table, like, starts, positions, out):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
+def equal_at_many(table, like, out):  # pragma: no cover
+    """``out[k]`` = 1 where tensor ``k`` holds its expected bits at its positions, else 0 (also
+    for a position outside it): ``table[k]`` = (address of its elements, their count, address of
+    its int64 positions, of the expected bits, their count), elements of ``like``'s type. The
+    read-back of a replica's write: one call for every patch of a width, where ``index_select``
+    and ``torch.equal`` per patch allocated a copy and cost ~10 us of calls a patch."""
+    for k in range(table.shape[0]):
+        n, count = table[k, 1], table[k, 4]
+        target = numba.carray(address_as(table[k, 0], like), n)
+        positions = numba.carray(address_as(table[k, 2], table[:, 0]), count)
+        bits = numba.carray(address_as(table[k, 3], like), count)
+        ok = 1
+        for j in range(count):
+            p = positions[j]
+            if p < 0 or p >= n or target[p] != bits[j]:
+                ok = 0
+                break
+        out[k] = ok
+
+
+@numba.njit(cache=True, nogil=True)
 def gaps_to_positions(planes, count, nbytes, out):  # pragma: no cover
     """Byte planes of gaps (plane b holds byte b of every gap) to absolute positions."""
     pos = -1

@@ -76,9 +76,9 @@ def _publish(dtype: torch.dtype) -> list[bytes]:
 
 def _apply(deltas: list[bytes]) -> None:
     """What a replica does with each delta of a chain: decode, gather the old bits and the
-    fingerprint changes (as a replica stages), apply in place (as the CLI does), and fingerprint
-    whole tensors and runs of them (the rolling audit)."""
-    from .apply import apply_delta, flat_bits
+    fingerprint changes (as a replica stages), apply in place (as the CLI does), read the written
+    bits back (the audit), and fingerprint whole tensors and runs of them (the rolling audit)."""
+    from .apply import Patch, apply_delta, flat_bits, landed
     from .codec import DeltaFile
     from .fingerprint import GatherItem, gather_updates, runs_fingerprint, tensor_fingerprint
 
@@ -86,9 +86,12 @@ def _apply(deltas: list[bytes]) -> None:
     for data in deltas:
         delta = DeltaFile.from_bytes(data)
         changes = [c for c in delta.decode(state) if c is not None and c.positions is not None]
-        gather_updates([GatherItem(flat_bits(state[c.name]), torch.tensor([[0, state[c.name].numel(), 0]]),
-                                   state[c.name].numel(), c.positions, c.bits, c.mode) for c in changes])
+        staged = gather_updates([GatherItem(flat_bits(state[c.name]), torch.tensor([[0, state[c.name].numel(), 0]]),
+                                            state[c.name].numel(), c.positions, c.bits, c.mode) for c in changes])
         apply_delta(delta, state)
+        if not all(landed([Patch(c.name, flat_bits(state[c.name]), g.dest, g.new, g.old)
+                           for c, g in zip(changes, staged)])):
+            raise RuntimeError("a warm-up write did not read back")
     for t in state.values():
         tensor_fingerprint(t, threads=False)
         runs_fingerprint(flat_bits(t), torch.tensor([[0, t.numel(), 0]]).numpy())

@@ -621,3 +621,40 @@ def test_change_batches_join_per_width_and_gather_the_new_bits():
     scanned = {n: Changes(c.positions, c.xor, np.arange(c.count, dtype=c.xor.dtype)) for n, c in found.items()}
     for b in change_batches(scanned, after):
         assert b.new.tolist() == [j for n in b.names for j in range(found[n].count)]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(patches=st.lists(st.tuples(st.sampled_from([torch.uint8, torch.int16, torch.int32, torch.float32]),
+                                  st.integers(1, 300), st.floats(0, 1), st.sampled_from(["kernel", "int32", "all"])),
+                        min_size=1, max_size=6),
+       damaged=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_read_back_is_bit_for_bit_per_patch(patches, damaged, seed):
+    """``landed`` (the replica's read-back) says of each patch, written, that its target holds
+    its new bits, bit for bit (a NaN written reads back as written); one element changed after
+    the write, or a position outside the target, fails that patch and no other. Patches at
+    int64 positions on the CPU take the kernel, the rest torch."""
+    g = torch.Generator().manual_seed(seed)
+    made = []
+    for dtype, numel, fraction, kind in patches:
+        target = torch.randint(0, 100, (numel,), dtype=torch.int32, generator=g).to(dtype)
+        positions = None if kind == "all" else torch.randperm(numel, generator=g)[:max(1, int(numel * fraction))]
+        if kind == "int32":
+            positions = positions.int()
+        count = numel if positions is None else positions.numel()
+        new = torch.randint(0, 100, (count,), dtype=torch.int32, generator=g).to(dtype)
+        if dtype == torch.float32:
+            new[0] = float("nan")
+        made.append(apply_module.Patch("t", target, positions, new, new.clone()))
+    for p in made:  # (index_copy_, a patch's own write, takes int64 positions only)
+        p.target[slice(None) if p.positions is None else p.positions.long()] = p.new
+    assert apply_module.landed(made) == [True] * len(made)
+    k = damaged % len(made)
+    p = made[k]
+    at = 0 if p.positions is None else int(p.positions[0])
+    p.target.view(torch.uint8)[at * p.target.element_size()] ^= 1
+    assert apply_module.landed(made) == [i != k for i in range(len(made))]
+    p.target.view(torch.uint8)[at * p.target.element_size()] ^= 1
+    if p.positions is not None and p.positions.dtype == torch.int64:
+        outside = apply_module.Patch("t", p.target, p.positions.clone(), p.new, p.old)
+        outside.positions[-1] = p.target.numel()
+        assert apply_module.landed([*made, outside]) == [True] * len(made) + [False]

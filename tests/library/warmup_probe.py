@@ -12,7 +12,7 @@ import numba
 import torch
 
 from shared import fingerprint, kernels
-from shared.apply import apply_delta, flat_bits
+from shared.apply import Patch, apply_delta, flat_bits, landed
 from shared.chain import AnchorPolicy
 from shared.codec import DeltaFile
 from shared.fingerprint import GatherItem, gather_updates, tensor_fingerprint
@@ -58,13 +58,15 @@ def drift(state: dict[str, torch.Tensor], steps: int) -> list[bytes]:
 
 
 def replay(base: dict[str, torch.Tensor], deltas: list[bytes]) -> None:
-    """A replica's work on each delta: decode, stage (gather), apply, audit."""
+    """A replica's work on each delta: decode, stage (gather), apply, read back, audit."""
     for data in deltas:
         delta = DeltaFile.from_bytes(data)
         changes = [c for c in delta.decode(base) if c is not None and c.positions is not None]
-        gather_updates([GatherItem(flat_bits(base[c.name]), torch.tensor([[0, base[c.name].numel(), 0]]),
-                                   base[c.name].numel(), c.positions, c.bits, c.mode) for c in changes])
+        staged = gather_updates([GatherItem(flat_bits(base[c.name]), torch.tensor([[0, base[c.name].numel(), 0]]),
+                                            base[c.name].numel(), c.positions, c.bits, c.mode) for c in changes])
         apply_delta(delta, base)
+        assert all(landed([Patch(c.name, flat_bits(base[c.name]), g.dest, g.new, g.old)
+                           for c, g in zip(changes, staged)]))
     for t in base.values():
         tensor_fingerprint(t)
 
