@@ -46,6 +46,9 @@ def _worker_bench(worker, delta_path: str, reps: int) -> dict:
 
     from shared.codec import DeltaFile
     from shared.digest import TORCH_DTYPES
+    from shared.warmup import warm_in_background
+
+    warm_in_background().join()  # the worker's kernel warm-up (started at init) off the cores first
 
     st = worker._deltasync_state
     weights, live = st.weights, st.weights.live

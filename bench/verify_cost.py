@@ -51,6 +51,9 @@ def _worker_costs(worker, delta_path: str, reps: int) -> dict:
 
     from shared.codec import DeltaFile
     from shared.fingerprint import state_fingerprint
+    from shared.warmup import warm_in_background
+
+    warm_in_background().join()  # the worker's kernel warm-up (started at init) off the cores first
 
     weights = worker._deltasync_state.weights
 
