@@ -106,7 +106,7 @@ def _changed(ckpt, seed=1, fraction=0.3):
     return new
 
 
-def test_stage_commit_audit_revert(loaded):
+def test_stage_write_audit_revert(loaded):
     ckpt, model, emap, weights = loaded
     c0 = genesis_commitment(state_fingerprint_of(ckpt))
     weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
@@ -158,7 +158,7 @@ def test_policy_fields_single_and_mixed():
     assert [[s["end"] for s in c] for c in later_first["policy_version_spans"]] == [[1, 9], [2]]
 
 
-def test_failure_in_the_middle_of_a_commit_is_rolled_back(loaded):
+def test_failure_in_the_middle_of_a_write_is_rolled_back(loaded):
     ckpt, model, emap, weights = loaded
     c0 = genesis_commitment(state_fingerprint_of(ckpt))
     weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
