@@ -10,8 +10,9 @@ process), medians of ``--reps`` repetitions of:
   threads, so the parts can add up to more than the wall time);
 * **write**: the paused ``index_copy_`` of the staged bits (``LiveWeights.write``);
 * **read-back**: the written positions read back (``LiveWeights.audit``);
-* **rolling**: the rolling audit's slice of whole-tensor fingerprints (1/K of the tensors, K = 8
-  by default; ``--reps`` of 8 covers every slice once);
+* **rolling**: the rolling audit's slice of tensors read back whole (1/K of them, K = 8 by
+  default; ``--reps`` of 8 covers every slice once), by blake3 digest where it is known (the
+  deltas here carry digests), else by fingerprint;
 * **floor**: a bare ``index_copy_`` of the same bits at the same positions into scratch copies.
 
 Every repetition is checked (the live state fingerprint is the delta's target after the write and

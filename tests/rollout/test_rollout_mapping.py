@@ -214,9 +214,20 @@ def patch_to(weights, name: str, pos: int, bits: torch.Tensor) -> None:
     target[pl.dest] = bits.to(torch.int16)
 
 
-def test_rolling_audit_covers_every_tensor_every_k_versions_and_finds_a_stray_write(loaded):
+@pytest.mark.parametrize("digests", ["known", "unknown"])
+def test_rolling_audit_covers_every_tensor_every_k_versions_and_finds_a_stray_write(loaded, digests, monkeypatch):
+    """By blake3 digest where it is known, by fingerprint where it is not (after deltas published
+    without digests): either way every tensor once per K calls, and a flipped bit found."""
+    import rollout_space.live_weights as live_weights
+
     ckpt, model, emap, weights = loaded
+    if digests == "unknown":
+        weights.held.digests.update({n: "" for n in emap.tensors})
+    hashed = []
+    real = live_weights.tensor_digest
+    monkeypatch.setattr(live_weights, "tensor_digest", lambda t: hashed.append(t) or real(t))
     rounds = [weights.rolling_audit() for _ in range(weights.audit_every)]
+    assert len(hashed) == (len(emap.tensors) if digests == "known" else 0)
     assert sorted(n for audited, _ in rounds for n in audited) == sorted(emap.tensors)
     assert all(drifted == [] for _, drifted in rounds)
     patch_to(weights, "v.weight", 7, ckpt["v.weight"].reshape(-1).view(torch.int16)[7] ^ 1)
