@@ -82,9 +82,6 @@ def _write(target: torch.Tensor, positions: torch.Tensor | None, bits: torch.Ten
         target.index_copy_(0, positions, bits)
 
 
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
 def landed(patches: Sequence[Patch]) -> list[bool]:
     """Whether each patch's target holds its new bits, read back bit for bit. The CPU patches at
     listed positions are read in one kernel call per element width
@@ -107,7 +104,7 @@ def landed(patches: Sequence[Patch]) -> list[bool]:
         table = np.array([(patches[i].target.data_ptr(), patches[i].target.numel(), patches[i].positions.data_ptr(),
                            patches[i].new.data_ptr(), patches[i].new.numel()) for i in members], dtype=np.int64)
         ok = np.empty(len(members), dtype=np.uint8)
-        equal_at_many(table, np.empty(0, dtype=_UNSIGNED[size]), ok)
+        equal_at_many(table, np.empty(0, dtype=f"u{size}"), ok)  # bits compared as unsigned words
         for i, v in zip(members, ok.tolist()):
             out[i] = bool(v)
     return out  # type: ignore[return-value]

@@ -386,7 +386,8 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
     if direct.all():  # targets that are their tensors: no dest written, none split
         dest_t = indices
     else:
-        dest_t = [i if d else t for i, d, t in zip(indices, direct.tolist(), torch.from_numpy(dest).split(sizes)[::step])]
+        split = torch.from_numpy(dest).split(sizes)[::step]
+        dest_t = [i if d else t for i, d, t in zip(indices, direct.tolist(), split)]
     old_t = torch.from_numpy(old.view(signed)).split(sizes)[::step]
     new_t = torch.from_numpy(new.view(signed)).split(sizes)[::step]
     return list(map(Gathered, held_t, dest_t, old_t, new_t, lanes))
