@@ -15,14 +15,17 @@ process), medians of ``--reps`` repetitions of:
   deltas here carry digests), else by fingerprint;
 * **floor**: a bare ``index_copy_`` of the same bits at the same positions into scratch copies.
 
-Every repetition is checked (the live state fingerprint is the delta's target after the write and
-the base after the revert). Targets (issue 10): stage at 0.1% <= 1/4 of stage at 1%, and
+The deltas take turns within each repetition (and audit the same rolling slice), so that the
+ratios between fractions are not ratios between two stretches of a drifting machine. Every
+repetition is checked (the live state fingerprint is the delta's target after the write and the
+base after the revert). Targets (issue 10): stage at 0.1% <= 1/4 of stage at 1%, and
 stage + write + read-back + rolling at 1% <= 3x the floor.
 
 The trainer's side of the same changes, after the replica's: ``DeltaPublisher``'s
 **encoder thread** (everything after change detection: fingerprints, digests, entropy coding,
 the file) per version, with blake3 digests every version and only at anchors (``digests=``),
-the state flipping between the base and the changed state. Target (issue 10): proportional to
+a publisher per fraction, its state flipping between the base and the changed state, the
+publishers taking turns. Target (issue 10): proportional to
 the change, read here as the same 1/4 at 0.1% against 1%.
 JSON: ``bench/results/verify_cost.json`` (``--name``).
 
@@ -46,8 +49,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 STEPS = ("stage", "write", "read_back", "rolling", "floor")
 
 
-def _worker_costs(worker, delta_path: str, reps: int) -> dict:
-    """Runs inside the vLLM worker: the steps above for one delta, ``reps`` times."""
+def _worker_costs(worker, delta_paths: list[str], reps: int) -> list[dict]:
+    """Runs inside the vLLM worker: the steps above for each delta (all on the same base),
+    ``reps`` times, the deltas taking turns within each repetition: this machine's speed drifts
+    by tens of percent within a minute, and the targets are ratios between the deltas."""
     import torch
 
     from shared.codec import DeltaFile
@@ -64,42 +69,47 @@ def _worker_costs(worker, delta_path: str, reps: int) -> dict:
 
     base = live_fingerprint()
     split = weights.split()  # tensors this rank holds in part (tensor parallelism): partials
-    partials: dict[str, str] = {}
-    times: dict[str, list[float]] = {k: [] for k in STEPS}
-    parts: dict[str, list[float]] = {}  # staging's own split
-    for rep in range(reps):
-        delta = DeltaFile.open(delta_path)  # parsed afresh: staging includes decoding
+    partials: list[dict[str, str]] = [{} for _ in delta_paths]
+    times: list[dict[str, list[float]]] = [{k: [] for k in STEPS} for _ in delta_paths]
+    parts: list[dict[str, list[float]]] = [{} for _ in delta_paths]  # staging's own split
+    changed = [0] * len(delta_paths)
+    for rep, i in ((r, i) for r in range(reps) for i in range(len(delta_paths))):
+        delta = DeltaFile.open(delta_paths[i])  # parsed afresh: staging includes decoding
         a = time.perf_counter()
         staged = weights.stage(delta)
-        times["stage"].append(time.perf_counter() - a)
+        times[i]["stage"].append(time.perf_counter() - a)
         for k in ("decode_s", "gather_s", "predict_s"):
-            parts.setdefault(k, []).append(staged.timings[k])
+            parts[i].setdefault(k, []).append(staged.timings[k])
         scratch = [(p.target.clone(), p.positions, p.new) for p in staged.patches]
         with torch.no_grad():
             a = time.perf_counter()
             for target, pos, new in scratch:
                 target.index_copy_(0, pos, new)
-            times["floor"].append(time.perf_counter() - a)
-        times["write"].append(weights.write(staged))
+            times[i]["floor"].append(time.perf_counter() - a)
+        times[i]["write"].append(weights.write(staged))
         a = time.perf_counter()
         bad = weights.audit(staged)
-        times["read_back"].append(time.perf_counter() - a)
+        times[i]["read_back"].append(time.perf_counter() - a)
+        if i == 0:
+            slice_at = weights._audit_next
+        weights._audit_next = slice_at  # each delta of a repetition audits the same slice of tensors
         a = time.perf_counter()
         _, drifted = weights.rolling_audit()
-        times["rolling"].append(time.perf_counter() - a)
+        times[i]["rolling"].append(time.perf_counter() - a)
         if rep == 0:  # the held partials are what staging predicted: the live ones must be them
-            partials = {n: str(weights.fingerprint(n)) for n in split}
-            if any(partials[n] != weights.held.fingerprints[n] for n in split):
+            partials[i] = {n: str(weights.fingerprint(n)) for n in split}
+            if any(partials[i][n] != weights.held.fingerprints[n] for n in split):
                 raise AssertionError("a rank's partial fingerprint is not the predicted one")
         if bad or drifted or (rep == 0 and not split and live_fingerprint() != delta.header.state_fingerprint):
             raise AssertionError(f"not exact: read back {bad}, rolling {drifted}")
+        changed[i] = staged.changed
         weights.revert(staged)
     if live_fingerprint() != base:
         raise AssertionError("the reverts did not bring the base back")
-    return {"times": times, "stage_parts_median_s": {k: statistics.median(v) for k, v in parts.items()},
-            "changed": staged.changed, "numel": delta.header.numel,
-            "delta_bytes": Path(delta_path).stat().st_size, "tensors": len(weights.live.map.tensors),
-            "audit_every": weights.audit_every, "partials": partials}
+    return [{"times": times[i], "stage_parts_median_s": {k: statistics.median(v) for k, v in parts[i].items()},
+             "changed": changed[i], "numel": delta.header.numel, "delta_bytes": Path(path).stat().st_size,
+             "tensors": len(weights.live.map.tensors), "audit_every": weights.audit_every, "partials": partials[i]}
+            for i, path in enumerate(delta_paths)]
 
 
 def _over_ranks(results: list[dict], delta_path: Path) -> dict:
@@ -124,30 +134,37 @@ def _over_ranks(results: list[dict], delta_path: Path) -> dict:
     return out
 
 
-def trainer_costs(base: dict, new: dict, reps: int) -> dict:
-    """Median encoder-thread seconds per version for each ``digests`` mode (no anchor after v0),
-    and how long ``publish()`` held the caller (change detection)."""
+def trainer_costs(base: dict, news: dict[float, dict], reps: int) -> dict[float, dict]:
+    """Per changed state of ``news`` (by fraction) and ``digests`` mode, the median encoder-thread
+    seconds per version (no anchor after v0) and how long ``publish()`` held the caller (change
+    detection): a publisher per state, each flipping between the base and its state, the
+    publishers taking turns version by version (as the replica's deltas do above)."""
+    from contextlib import ExitStack
+
     from shared.chain import AnchorPolicy
     from shared.publisher import DIGESTS, DeltaPublisher
 
-    out = {}
+    out: dict[float, dict] = {f: {} for f in news}
     for mode in DIGESTS:
-        live = {n: t.clone() for n, t in base.items()}
-        encoder, hold = [], []
-        with tempfile.TemporaryDirectory(prefix="bench-verify-cost-trainer-") as store, \
-                DeltaPublisher(live, store, digests=mode, keep_anchors=10**6,
-                               policy=AnchorPolicy(catchup_fraction=1e9)) as pub:
+        lives = {f: {n: t.clone() for n, t in base.items()} for f in news}
+        encoder: dict[float, list[float]] = {f: [] for f in news}
+        hold: dict[float, list[float]] = {f: [] for f in news}
+        with ExitStack() as stack:
+            pubs = {f: stack.enter_context(DeltaPublisher(
+                lives[f], stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-verify-cost-trainer-")),
+                digests=mode, keep_anchors=10**6, policy=AnchorPolicy(catchup_fraction=1e9))) for f in news}
             for rep in range(reps + 1):
-                for n, t in (new if rep % 2 == 0 else base).items():
-                    live[n].copy_(t)
-                t0 = time.perf_counter()
-                report = pub.publish()
-                hold.append(time.perf_counter() - t0)
-                report.wait(600)
-                assert report.kind == "delta", report.kind
-                encoder.append(report.encoder_s)
-        # the first version also loads the encoders' kernels
-        out[mode] = {"encoder_s": statistics.median(encoder[1:]), "publish_s": statistics.median(hold[1:])}
+                for f, new in news.items():
+                    for n, t in (new if rep % 2 == 0 else base).items():
+                        lives[f][n].copy_(t)
+                    t0 = time.perf_counter()
+                    report = pubs[f].publish()
+                    hold[f].append(time.perf_counter() - t0)
+                    report.wait(600)
+                    assert report.kind == "delta", report.kind
+                    encoder[f].append(report.encoder_s)
+        for f in news:  # the first version also loads the encoders' kernels
+            out[f][mode] = {"encoder_s": statistics.median(encoder[f][1:]), "publish_s": statistics.median(hold[f][1:])}
     return out
 
 
@@ -181,16 +198,17 @@ def main() -> None:
     init = json.loads(llm.collective_rpc("deltasync_init", args=(json.dumps(
         {"model_dir": str(model_dir), "map_cache": str(tmp / "maps")}),))[0])
     assert init["ok"], init
-    runs = {}
-    for i, fraction in enumerate(tqdm(fractions, desc="fractions")):
-        path = tmp / f"delta-{fraction}.safetensors"
-        info = make_delta(model_dir, path, fraction, seed=i)
-        adopt = json.loads(llm.collective_rpc("deltasync_adopt", args=(json.dumps(
-            {"version": 0, "commitment": info["base_commitment"], "state_digest": info["base_state_digest"]}),))[0])
-        assert adopt["ok"], adopt
-        runs[fraction] = _over_ranks(llm.collective_rpc(_worker_costs, args=(str(path), a.reps)), path)
+    paths = [tmp / f"delta-{fraction}.safetensors" for fraction in fractions]
+    infos = [make_delta(model_dir, path, f, seed=i)
+             for i, (f, path) in enumerate(zip(fractions, tqdm(paths, desc="deltas")))]
+    assert len({info["base_commitment"] for info in infos}) == 1  # one base: the deltas take turns
+    adopt = json.loads(llm.collective_rpc("deltasync_adopt", args=(json.dumps(
+        {"version": 0, "commitment": infos[0]["base_commitment"], "state_digest": infos[0]["base_state_digest"]}),))[0])
+    assert adopt["ok"], adopt
+    per_rank = llm.collective_rpc(_worker_costs, args=([str(p) for p in paths], a.reps))
+    runs = {f: _over_ranks([rank[i] for rank in per_rank], path) for i, (f, path) in enumerate(zip(fractions, paths))}
     base = load_state(model_dir)  # (imported after the engine started: vLLM's CPU platform scans loaded modules)
-    trainer = {f: trainer_costs(base, changed_state(base, f, seed=i), a.reps) for i, f in enumerate(fractions)}
+    trainer = trainer_costs(base, {f: changed_state(base, f, seed=i) for i, f in enumerate(fractions)}, a.reps)
 
     first = next(iter(runs.values()))
     print(f"\nmodel {first['numel'] / 1e6:.1f}M params, {first['tensors']} tensors; rolling audit K = "
