@@ -67,8 +67,8 @@ from shared.codec import DeltaFile, Header, TensorChange, TensorEntry, combine, 
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
-from shared.fingerprint import (Fingerprint, GatherItem, add_lanes, fingerprint_deltas, gather_updates, one_run,
-                                state_fingerprint, tensor_fingerprint)
+from shared.fingerprint import (Fingerprint, GatherItem, GatherTarget, add_lanes, fingerprint_deltas, gather_updates,
+                                one_run, state_fingerprint, tensor_fingerprint)
 
 from .mapping import LiveMap
 
@@ -155,7 +155,7 @@ class LiveWeights:
         self.audit_every = audit_every
         self._audit_order = sorted(live.map.tensors)
         self._audit_next = 0
-        self._gather_at: dict[str, tuple[torch.Tensor, torch.Tensor, int] | None] = {}  # see _gather_item
+        self._gather_at: dict[str, GatherTarget | None] = {}  # see _gather_target
 
     # ------------------------------------------------------------------ reading
     def digest(self, name: str) -> str:
@@ -294,32 +294,34 @@ class LiveWeights:
             if item is None:
                 out[i] = self._patches_for(change)
             else:
-                runs.setdefault(item.target.element_size(), []).append((i, item))
+                runs.setdefault(item.where.target.element_size(), []).append((i, item))
         for run in runs.values():
             for (i, item), g in zip(run, gather_updates([item for _, item in run])):
-                out[i] = [Piece(Patch(changes[i].name, item.target, g.dest, g.new, g.old), g.positions, g.old, g.new,
-                                g.lanes)] if g.dest.numel() else []  # none of it held here
+                out[i] = [Piece(Patch(changes[i].name, item.where.target, g.dest, g.new, g.old), g.positions, g.old,
+                                g.new, g.lanes)] if g.dest.numel() else []  # none of it held here
         return out  # type: ignore[return-value]
 
     def _gather_item(self, change: TensorChange) -> GatherItem | None:
         """The change as one item of :func:`~shared.fingerprint.gather_updates`, where it can be one."""
         if change.positions is None or change.mode == "full":
             return None
-        if change.name not in self._gather_at:  # (the parameter's integer view, runs, numel), or None
-            tables, dtype = self.live.run_tables(change.name), TORCH_DTYPES[self.held.specs[change.name][0]]
-            flat = self.live.flats[tables[0][0]] if len(tables) == 1 else None
-            fits = flat is not None and flat.is_cpu and flat.dtype == dtype and flat.element_size() <= 4
-            numel = self.live.map.tensors[change.name].numel
-            at = None
-            if fits:
-                (start, length, offset), *more = tables[0][1].tolist()
-                if not more and start == 0 and length == numel:  # the tensor is one run: its own view
-                    at = (_bits(flat)[offset:offset + numel], one_run(numel), numel)
-                else:
-                    at = (_bits(flat), torch.from_numpy(tables[0][1]), numel)
-            self._gather_at[change.name] = at
-        at = self._gather_at[change.name]
-        return None if at is None else GatherItem(*at, change.positions, change.bits, change.mode)
+        if change.name not in self._gather_at:
+            self._gather_at[change.name] = self._gather_target(change.name)
+        where = self._gather_at[change.name]
+        return None if where is None else GatherItem(where, change.positions, change.bits, change.mode)
+
+    def _gather_target(self, name: str) -> GatherTarget | None:
+        """Where a change to ``name`` is gathered from, if this rank holds it in one CPU parameter
+        of the checkpoint's dtype: its own view where it is one run of it, else the parameter."""
+        tables, dtype = self.live.run_tables(name), TORCH_DTYPES[self.held.specs[name][0]]
+        flat = self.live.flats[tables[0][0]] if len(tables) == 1 else None
+        if flat is None or not flat.is_cpu or flat.dtype != dtype or flat.element_size() > 4:
+            return None
+        numel = self.live.map.tensors[name].numel
+        (start, length, offset), *more = tables[0][1].tolist()
+        if not more and start == 0 and length == numel:  # the tensor is one run: its own view
+            return GatherTarget(_bits(flat)[offset:offset + numel], one_run(numel), numel)
+        return GatherTarget(_bits(flat), torch.from_numpy(tables[0][1]), numel)
 
     def _patches_for(self, change: TensorChange) -> list[Piece]:
         """The change's pieces through torch, one per engine parameter this rank holds of it."""

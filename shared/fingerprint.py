@@ -33,7 +33,7 @@ import re
 import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -283,22 +283,45 @@ def fingerprint_deltas(items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.T
 _RULES = {"xor": 0, "add": 1, "set": 2}  # the codec's rules for new bits (codec.combine)
 
 
-class GatherItem(NamedTuple):
-    """One tensor's change to stage, where this rank holds the tensor (or its share of it) in one
+@dataclass(frozen=True)
+class GatherTarget:
+    """Where a tensor's change lands, where this rank holds the tensor (or its share of it) in one
     CPU parameter: element ``start + i`` of the tensor lives at ``target[at + i]`` for each row
-    ``(start, length, at)`` of ``runs`` and ``0 <= i < length``."""
+    ``(start, length, at)`` of ``runs`` and ``0 <= i < length``. Checked once, when made, and its
+    addresses kept: a replica gathers into the same targets every version, and checking each
+    again cost more than a tensor of 0.1% changed."""
 
     target: torch.Tensor  # flat 8-32-bit integer view of a CPU parameter, or of the tensor's one run
     # in it (runs = one_run(numel)): then the positions are the write's indices, and none are made
     runs: torch.Tensor  # int64 (R, 3) on the CPU, by start, disjoint; a position in none is another rank's
     numel: int  # the tensor's elements
+    # (target's address and elements, runs' address and rows, numel): the kernel's table row
+    row: tuple[int, int, int, int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        t, runs = self.target, self.runs
+        # attribute checks only: a tensor's .device or .shape comparison costs about a microsecond
+        if not t.is_cpu or t.dim() != 1 or t.element_size() * 8 not in _UNSIGNED_NP or not t.is_contiguous():
+            raise ValueError(f"a flat 8-32-bit CPU tensor to gather from, not {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
+        if not isinstance(runs, torch.Tensor) or runs.dtype is not torch.int64 or not runs.is_cpu \
+                or not runs.is_contiguous() or runs.dim() != 2 or runs.size(1) != 3:
+            runs = torch.as_tensor(np.asarray(runs), dtype=torch.int64).reshape(-1, 3).contiguous()
+            object.__setattr__(self, "runs", runs)  # the copy the kernel reads, kept with the target
+        object.__setattr__(self, "row", (t.data_ptr(), t.numel(), runs.data_ptr(), runs.size(0), int(self.numel)))
+
+
+class GatherItem(NamedTuple):
+    """One tensor's change to stage into its :class:`GatherTarget`."""
+
+    where: GatherTarget
     positions: torch.Tensor  # int64, the tensor's flat indices
     bits: torch.Tensor  # one value per position, as wide as the target's elements
     mode: str  # the codec's rule for the new bits (shared.codec.combine)
 
 
 def one_run(numel: int, at: int = 0) -> torch.Tensor:
-    """The :attr:`GatherItem.runs` of a tensor held whole at ``target[at:at + numel]``."""
+    """The :attr:`GatherTarget.runs` of a tensor held whole at ``target[at:at + numel]``."""
     return torch.tensor([[0, numel, at]], dtype=torch.int64)
 
 
@@ -323,19 +346,15 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
     argument checks and numpy views than on the gather itself."""
     if not items:
         return []
-    size = items[0].target.element_size()
+    size = items[0].where.target.element_size()
     width = size * 8
-    if width not in _UNSIGNED_NP:
-        raise ValueError(f"8-32-bit targets, not {items[0].target.dtype}")
-    rows = []  # per item: target, its elements, positions, bits, runs (addresses), run count, numel, rule
+    rows = []  # per item: its target's row, then the addresses of its positions and bits, its rule
     bounds = [0]
     keep = []  # copies made contiguous here, alive until the kernel returns
     indices = []  # per item, its positions as the kernel reads them (int64)
-    for k, (target, runs, numel, positions, bits, mode) in enumerate(items):
-        # attribute checks only: a tensor's .device or .shape comparison costs about a microsecond
-        if not target.is_cpu or target.dim() != 1 or target.element_size() != size or not target.is_contiguous():
-            raise ValueError(f"item {k}: a flat {width}-bit CPU tensor to gather from, not {target.dtype} "
-                             f"{tuple(target.shape)} on {target.device}")
+    for k, (where, positions, bits, mode) in enumerate(items):
+        if where.target.element_size() != size:
+            raise ValueError(f"item {k}: a {width}-bit target like item 0's, not {where.target.dtype}")
         if positions.dim() != 1 or bits.dim() != 1 or bits.element_size() != size \
                 or bits.numel() != positions.numel():
             raise ValueError(f"item {k}: one {width}-bit value per position: {positions.numel()} positions, "
@@ -346,16 +365,11 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
         if not bits.is_cpu or not bits.is_contiguous():
             bits = bits.cpu().contiguous()
             keep.append(bits)
-        if not isinstance(runs, torch.Tensor) or runs.dtype is not torch.int64 or not runs.is_cpu \
-                or not runs.is_contiguous() or runs.dim() != 2 or runs.size(1) != 3:
-            runs = torch.as_tensor(np.asarray(runs), dtype=torch.int64).reshape(-1, 3).contiguous()
-            keep.append(runs)
         indices.append(positions)
         rule = _RULES.get(mode)
         if rule is None:
             raise ValueError(f"item {k}: unknown rule {mode!r} (one of {sorted(_RULES)})")
-        rows.append((target.data_ptr(), target.numel(), positions.data_ptr(), bits.data_ptr(),
-                     runs.data_ptr(), runs.size(0), numel, rule))
+        rows.append((*where.row, positions.data_ptr(), bits.data_ptr(), rule))
         bounds.append(bounds[-1] + positions.numel())
     u = _UNSIGNED_NP[width]
     total = bounds[-1]
@@ -371,8 +385,8 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
         k = failed // 2
         if failed % 2:
             raise ValueError(f"item {k}: runs out of order, overlapping or outside the target's "
-                             f"{rows[k][1]} elements or the tensor's {rows[k][6]}")
-        raise ValueError(f"item {k}: positions outside the tensor's {rows[k][6]} elements")
+                             f"{rows[k][1]} elements or the tensor's {rows[k][4]}")
+        raise ValueError(f"item {k}: positions outside the tensor's {rows[k][4]} elements")
     # one split each, not slices per item: item k's outputs are the first counts[k] of its span
     signed, counts_ = _NP_SIGNED[size], counts.tolist()
     spans = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
@@ -609,33 +623,33 @@ def _delta_kernel(idx, old, new, width, bounds, out):  # pragma: no cover - comp
 
 
 def _gather_kernel(table, bounds, width, held, dest, old, new, counts, direct, out):  # pragma: no cover - numba
-    """The writes of :func:`gather_updates` staged. Item ``k`` is ``table[k]`` = (addresses of its
-    target, the target's elements, addresses of its positions, bits and runs, the run count, the
-    tensor's elements, its rule: 0 ``old ^ bits``, 1 ``old + bits`` wrapping, 2 ``bits``) and owns
+    """The writes of :func:`gather_updates` staged. Item ``k`` is ``table[k]`` = (address of its
+    target, the target's elements, address of its runs, the run count, the tensor's elements,
+    addresses of its positions and bits, its rule: 0 ``old ^ bits``, 1 ``old + bits`` wrapping, 2 ``bits``) and owns
     ``bounds[k]:bounds[k+1]`` of the outputs, of which it fills the first ``counts[k]`` (not
     ``dest`` where it sets ``direct[k]``: the target is the tensor, one run at 0). Returns
     -1, or with nothing read ``2k`` for item ``k``'s positions outside its tensor, ``2k + 1`` for
     its runs. One pass per step (gather, rule, fingerprint): fused into one loop, the gather's
     loads and the stores kept LLVM from vectorising the lanes, at 2.5x the time."""
     for k in range(bounds.shape[0] - 1):
-        runs = _nb_carray(_nb_address(table[k, 4], dest), (table[k, 5], 3))
-        numel, end = table[k, 6], 0
+        runs = _nb_carray(_nb_address(table[k, 2], dest), (table[k, 3], 3))
+        numel, end = table[k, 4], 0
         for r in range(runs.shape[0]):
             if runs[r, 0] < end or runs[r, 1] < 0 or runs[r, 2] < 0 or runs[r, 2] + runs[r, 1] > table[k, 1]:
                 return 2 * k + 1
             end = runs[r, 0] + runs[r, 1]
         if end > numel:
             return 2 * k + 1
-        positions = _nb_carray(_nb_address(table[k, 2], dest), bounds[k + 1] - bounds[k])
+        positions = _nb_carray(_nb_address(table[k, 5], dest), bounds[k + 1] - bounds[k])
         for j in range(positions.shape[0]):
             if positions[j] < 0 or positions[j] >= numel:
                 return 2 * k
     for k in range(bounds.shape[0] - 1):
         lo, hi = bounds[k], bounds[k + 1]
-        mode, numel = table[k, 7], table[k, 6]
-        positions = _nb_carray(_nb_address(table[k, 2], dest), hi - lo)
-        bits = _nb_carray(_nb_address(table[k, 3], old), hi - lo)
-        runs = _nb_carray(_nb_address(table[k, 4], dest), (table[k, 5], 3))
+        mode, numel = table[k, 7], table[k, 4]
+        positions = _nb_carray(_nb_address(table[k, 5], dest), hi - lo)
+        bits = _nb_carray(_nb_address(table[k, 6], old), hi - lo)
+        runs = _nb_carray(_nb_address(table[k, 2], dest), (table[k, 3], 3))
         target = _nb_carray(_nb_address(table[k, 0], old), table[k, 1])
         d, o, n = dest[lo:hi], old[lo:hi], new[lo:hi]
         if runs.shape[0] == 1 and runs[0, 0] == 0 and runs[0, 1] == numel and runs[0, 2] == 0:

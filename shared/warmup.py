@@ -80,14 +80,15 @@ def _apply(deltas: list[bytes]) -> None:
     bits back (the audit), and fingerprint whole tensors and runs of them (the rolling audit)."""
     from .apply import Patch, apply_delta, flat_bits, landed
     from .codec import DeltaFile
-    from .fingerprint import GatherItem, gather_updates, one_run, runs_fingerprint, tensor_fingerprint
+    from .fingerprint import GatherItem, GatherTarget, gather_updates, one_run, runs_fingerprint, tensor_fingerprint
 
     state = _model(torch.bfloat16, seed=0)
     for data in deltas:
         delta = DeltaFile.from_bytes(data)
         changes = [c for c in delta.decode(state) if c is not None and c.positions is not None]
-        staged = gather_updates([GatherItem(flat_bits(state[c.name]), one_run(state[c.name].numel()),
-                                            state[c.name].numel(), c.positions, c.bits, c.mode) for c in changes])
+        staged = gather_updates([GatherItem(GatherTarget(flat_bits(state[c.name]), one_run(state[c.name].numel()),
+                                                         state[c.name].numel()), c.positions, c.bits, c.mode)
+                                  for c in changes])
         apply_delta(delta, state)
         if not all(landed([Patch(c.name, flat_bits(state[c.name]), g.dest, g.new, g.old)
                            for c, g in zip(changes, staged)])):

@@ -25,6 +25,7 @@ from shared.fingerprint import (
     fingerprint_deltas,
     add_lanes,
     GatherItem,
+    GatherTarget,
     fingerprints,
     gather_updates,
     one_run,
@@ -203,7 +204,7 @@ def test_batched_updates_split_over_threads(monkeypatch):
 
 
 def held_runs(numel: int, cuts: list[int], keep: list[bool], gap: int) -> np.ndarray:
-    """A rank's share of a tensor as :attr:`GatherItem.runs`: the tensor cut at ``cuts``, the
+    """A rank's share of a tensor as :attr:`GatherTarget.runs`: the tensor cut at ``cuts``, the
     pieces kept where ``keep`` says, laid out in order in a parameter from ``gap`` with ``gap``
     elements between them (another tensor's)."""
     bounds = sorted({0, numel, *(min(c, numel) for c in cuts)})
@@ -272,12 +273,14 @@ def test_gathered_updates_are_the_gather_the_rule_and_the_fingerprint_change(vie
         count = int(numel * fraction)
         pos = torch.randperm(numel, generator=g)[:count]
         pos = pos if shuffle else torch.sort(pos).values
-        items.append(GatherItem(param, runs, numel, pos, random_tensor(view, (count,), seed + 2 * k + 1), mode))
+        items.append(GatherItem(GatherTarget(param, runs, numel), pos, random_tensor(view, (count,), seed + 2 * k + 1),
+                                mode))
         befores.append(param.clone())
     staged = gather_updates(items)
     assert len(staged) == len(items)
-    width = 8 * items[0].target.element_size()
-    for (param, runs, numel, pos, bits, mode), before, got in zip(items, befores, staged):
+    width = 8 * items[0].where.target.element_size()
+    for (where, pos, bits, mode), before, got in zip(items, befores, staged):
+        param, runs, numel = where.target, where.runs, where.numel
         where = torch.full((numel,), -1, dtype=torch.int64)  # each element's place in the parameter
         for start, length, at in runs.tolist():
             where[start:start + length] = torch.arange(at, at + length)
@@ -298,25 +301,28 @@ def test_gathered_updates_are_the_gather_the_rule_and_the_fingerprint_change(vie
 
 def test_gathered_update_refusals():
     param, bits = torch.zeros(10, dtype=torch.int16), torch.zeros(2, dtype=torch.int16)
-    fine = GatherItem(torch.zeros(3, dtype=torch.int16), one_run(3), 3, torch.tensor([0, 2]), bits, "add")
+    fine = GatherItem(GatherTarget(torch.zeros(3, dtype=torch.int16), one_run(3), 3), torch.tensor([0, 2]), bits, "add")
+
+    def item(target, runs, numel, positions, bits, mode):
+        return GatherItem(GatherTarget(target, runs, numel), torch.tensor(positions), bits, mode)
+
     for pos in ([3, 6], [-1, 2]):
         with pytest.raises(ValueError, match="item 1: positions outside the tensor's 6 elements"):
-            gather_updates([fine, GatherItem(param, one_run(6, 4), 6, torch.tensor(pos), bits, "xor")])
+            gather_updates([fine, item(param, one_run(6, 4), 6, pos, bits, "xor")])
     for runs in ([[0, 6, 5]], [[0, 2, 0], [1, 2, 4]], [[2, 2, 0], [0, 2, 4]], [[0, 7, 0]], [[0, -1, 0]]):
         with pytest.raises(ValueError, match="item 0: runs out of order, overlapping or outside the target's "
                                              "10 elements or the tensor's 6"):
-            gather_updates([GatherItem(param, np.array(runs), 6, torch.tensor([0, 1]), bits, "xor")])
+            gather_updates([item(param, np.array(runs), 6, [0, 1], bits, "xor")])
     with pytest.raises(ValueError, match="unknown rule"):
-        gather_updates([GatherItem(param, one_run(10), 10, torch.tensor([0, 1]), bits, "or")])
+        gather_updates([item(param, one_run(10), 10, [0, 1], bits, "or")])
     with pytest.raises(ValueError, match="one 16-bit value per position"):
-        gather_updates([GatherItem(param, one_run(10), 10, torch.tensor([0, 1, 2]), bits, "xor")])
-    with pytest.raises(ValueError, match="8-32-bit"):
-        gather_updates([GatherItem(torch.zeros(10, dtype=torch.int64), one_run(10), 10, torch.tensor([0, 1]),
-                                   bits.long(), "set")])
-    with pytest.raises(ValueError, match="item 1: a flat 16-bit CPU tensor"):  # one element width per call
-        gather_updates([fine, GatherItem(param.int(), one_run(10), 10, torch.tensor([0, 1]), bits.int(), "set")])
-    with pytest.raises(ValueError, match="item 0: a flat 16-bit CPU tensor"):
-        gather_updates([GatherItem(param[::2], one_run(5), 5, torch.tensor([0, 1]), bits, "set")])
+        gather_updates([item(param, one_run(10), 10, [0, 1, 2], bits, "xor")])
+    with pytest.raises(ValueError, match="a flat 8-32-bit CPU tensor"):
+        GatherTarget(torch.zeros(10, dtype=torch.int64), one_run(10), 10)
+    with pytest.raises(ValueError, match="a flat 8-32-bit CPU tensor"):
+        GatherTarget(param[::2], one_run(5), 5)
+    with pytest.raises(ValueError, match="item 1: a 16-bit target like item 0's"):  # one element width per call
+        gather_updates([fine, item(param.int(), one_run(10), 10, [0, 1], bits.int(), "set")])
     assert torch.equal(param, torch.zeros(10, dtype=torch.int16))
     with pytest.raises(ValueError, match="64 hex digits"):
         add_lanes(["ab" * 8], np.zeros((1, 4), np.uint64))
@@ -333,11 +339,12 @@ def test_gathered_updates_take_int32_positions_strided_bits_and_other_run_tables
     param = torch.arange(20, dtype=torch.int16)
     bits = torch.arange(100, 120, dtype=torch.int16)[::5]  # 100, 105, 110, 115
     positions = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
-    [got] = gather_updates([GatherItem(param, one_run(10, 2).to(torch.int32), 10, positions, bits, "set")])
+    [got] = gather_updates([GatherItem(GatherTarget(param, one_run(10, 2).to(torch.int32), 10), positions, bits,
+                                       "set")])
     assert got.dest.tolist() == [2, 5, 7, 11] and got.old.tolist() == [2, 5, 7, 11]
     assert got.new.tolist() == [100, 105, 110, 115]
     # a target that is the tensor (one run, from 0, at 0): the positions are the write's indices
-    [got] = gather_updates([GatherItem(param[2:12], one_run(10), 10, positions, bits, "set")])
+    [got] = gather_updates([GatherItem(GatherTarget(param[2:12], one_run(10), 10), positions, bits, "set")])
     assert got.dest.dtype == torch.int64 and got.dest.tolist() == [0, 3, 5, 9]
     assert got.old.tolist() == [2, 5, 7, 11] and got.new.tolist() == [100, 105, 110, 115]
     assert gather_updates([]) == []

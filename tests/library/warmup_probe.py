@@ -15,7 +15,7 @@ from shared import fingerprint, kernels
 from shared.apply import Patch, apply_delta, flat_bits, landed
 from shared.chain import AnchorPolicy
 from shared.codec import DeltaFile
-from shared.fingerprint import GatherItem, gather_updates, one_run, tensor_fingerprint
+from shared.fingerprint import GatherItem, GatherTarget, gather_updates, one_run, tensor_fingerprint
 from shared.publisher import DeltaPublisher
 from shared.stores import open_store
 from shared.warmup import warm
@@ -62,8 +62,9 @@ def replay(base: dict[str, torch.Tensor], deltas: list[bytes]) -> None:
     for data in deltas:
         delta = DeltaFile.from_bytes(data)
         changes = [c for c in delta.decode(base) if c is not None and c.positions is not None]
-        staged = gather_updates([GatherItem(flat_bits(base[c.name]), one_run(base[c.name].numel()),
-                                            base[c.name].numel(), c.positions, c.bits, c.mode) for c in changes])
+        staged = gather_updates([GatherItem(GatherTarget(flat_bits(base[c.name]), one_run(base[c.name].numel()),
+                                                         base[c.name].numel()), c.positions, c.bits, c.mode)
+                                 for c in changes])
         apply_delta(delta, base)
         assert all(landed([Patch(c.name, flat_bits(base[c.name]), g.dest, g.new, g.old)
                            for c, g in zip(changes, staged)]))
