@@ -63,12 +63,12 @@ import torch
 
 from shared.apply import Patch, check_base, landed
 from shared.changes import INT_VIEW, map_balanced, map_batches
-from shared.codec import DeltaFile, Header, TensorChange, TensorEntry, combine, holds
+from shared.codec import DecodedBatch, DeltaFile, Header, TensorChange, TensorEntry, combine, holds
 from shared.digest import TORCH_DTYPES, state_digest_from_entries, tensor_digest
 from shared.digest import commitment as chain_step
 from shared.errors import DeltaError
-from shared.fingerprint import (Fingerprint, GatherItem, GatherTarget, add_lanes, fingerprint_deltas, gather_updates,
-                                one_run, state_fingerprint, tensor_fingerprint)
+from shared.fingerprint import (Fingerprint, Gathered, GatherItem, GatherTarget, add_lanes, fingerprint_deltas,
+                                gather_batch, gather_updates, one_run, state_fingerprint, tensor_fingerprint)
 
 from .mapping import LiveMap
 
@@ -142,6 +142,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(INT_VIEW[t.dtype]) if t.dtype in INT_VIEW else t
 
 
+def _gathered_piece(name: str, where: GatherTarget, g: Gathered) -> list[Piece]:
+    """A gathered change as its one piece, or none where this rank holds none of it."""
+    return [Piece(Patch(name, where.target, g.dest, g.new, g.old), g.positions, g.old, g.new, g.lanes)] \
+        if g.dest.numel() else []
+
+
 class LiveWeights:
     def __init__(self, model: torch.nn.Module, live: LiveMap, specs: Mapping[str, tuple[str, list[int]]],
                  digests: Mapping[str, str], fingerprints: Mapping[str, str] | None = None, *, audit_every: int = 8):
@@ -155,7 +161,7 @@ class LiveWeights:
         self.audit_every = audit_every
         self._audit_order = sorted(live.map.tensors)
         self._audit_next = 0
-        self._gather_at: dict[str, GatherTarget | None] = {}  # see _gather_target
+        self._gather_at: dict[str, GatherTarget | None] = {}  # see _target
 
     # ------------------------------------------------------------------ reading
     def digest(self, name: str) -> str:
@@ -236,9 +242,9 @@ class LiveWeights:
         """Decode (one numba call per batch of tensors) and gather, on the tensor threads from
         :data:`STAGE_THREADS_FROM` changes on (the kernels release the GIL, and a gather waits on
         memory, which a second thread overlaps), then predict every touched tensor's fingerprint.
-        The tensors that are one run of a CPU parameter are gathered in one numba call per batch
-        that also gives their fingerprint changes (:func:`~shared.fingerprint.gather_updates`);
-        the others through torch (any device), their fingerprint changes in one call for all.
+        The tensors held in a CPU parameter are gathered in one numba call per batch that also
+        gives their fingerprint changes (:meth:`_pieces`); the others through torch (any device),
+        their fingerprint changes in one call for all.
         ``timings``: ``stage_s`` is wall time; ``decode_s`` and ``gather_s`` are summed over the
         threads."""
         t0 = time.perf_counter()
@@ -249,14 +255,14 @@ class LiveWeights:
                  if e.encoding != "same" and n in self.live.map.tensors]  # a tie alias is checked above
         times: list[tuple[float, float]] = []  # (decode, gather) per batch
 
-        def batch(members: list[str]) -> list[tuple[TensorChange, list[Piece]]]:
+        def batch(members: list[str]) -> list[tuple[list[Piece], bool]]:
             with torch.no_grad():  # per thread
                 a = time.perf_counter()
-                changes = delta.decode(members, base=self.live.read)
+                decoded, single = delta.decode_batches(members, base=self.live.read)
                 b = time.perf_counter()
-                out = list(zip(changes, self._pieces(changes)))
+                pieces = self._pieces(decoded, list(single.values()))
             times.append((b - a, time.perf_counter() - b))
-            return out
+            return [pieces[n] for n in members]
 
         staged = map_batches(batch, names, [header.tensors[n].changed for n in names],
                              serial_below=STAGE_THREADS_FROM)
@@ -264,14 +270,14 @@ class LiveWeights:
         pending: list[tuple[str, list[Piece]]] = []  # tensors whose fingerprint after the write is predicted
         t_predict = 0.0
         with torch.no_grad():
-            for change, pieces in staged:
+            for name, (pieces, listed) in zip(names, staged):
                 patches += [p.patch for p in pieces]
                 # a tensor held in part: its held partial must follow, predict or not
-                if not self.live.whole(change.name) or predict and self._incremental(change, pieces):
-                    pending.append((change.name, pieces))
-                elif predict:  # sent whole: by a scratch copy
+                if not self.live.whole(name) or predict and listed and self.held.fingerprints.get(name):
+                    pending.append((name, pieces))
+                elif predict:  # sent whole, or no fingerprint held: by a scratch copy
                     a = time.perf_counter()
-                    self._predict_whole(change, pieces, header.tensors[change.name])
+                    self._predict_whole(name, pieces, header.tensors[name])
                     t_predict += time.perf_counter() - a
             a = time.perf_counter()
             shards = self._predict(header, pending)
@@ -281,47 +287,56 @@ class LiveWeights:
             "decode_s": sum(d for d, _ in times), "gather_s": sum(g for _, g in times), "predict_s": t_predict,
             "stage_s": time.perf_counter() - t0})
 
-    def _pieces(self, changes: list[TensorChange]) -> list[list[Piece]]:
-        """Each change's pieces. The tensors this rank holds in one CPU parameter in the
-        checkpoint's dtype (all of them on one rank; under tensor parallelism, a shard as one run
-        or a run per row) are gathered with their fingerprint changes in one numba call per
-        element width (:func:`~shared.fingerprint.gather_updates`), the others through torch, a
-        piece per parameter."""
-        out: list[list[Piece] | None] = [None] * len(changes)
-        runs: dict[int, list[tuple[int, GatherItem]]] = {}  # by element size
-        for i, change in enumerate(changes):
-            item = self._gather_item(change)
-            if item is None:
-                out[i] = self._patches_for(change)
+    def _pieces(self, decoded: list[DecodedBatch], single: list[TensorChange]
+                ) -> dict[str, tuple[list[Piece], bool]]:
+        """Each change's pieces, and whether its changed positions are listed, each in one piece
+        (so the fingerprint after the write follows from the pieces). The tensors this rank holds
+        in one CPU parameter in the checkpoint's dtype (all of them on one rank; under tensor
+        parallelism, a shard as one run or a run per row) are gathered with their fingerprint
+        changes: a decoded batch of them in one numba call
+        (:func:`~shared.fingerprint.gather_batch`), the other changes per element width
+        (:func:`~shared.fingerprint.gather_updates`). The rest go through torch, a piece per
+        parameter."""
+        out: dict[str, tuple[list[Piece], bool]] = {}
+        for batch in decoded:
+            targets = [self._target(n) for n in batch.names]
+            if all(t is not None for t in targets):
+                gathered = gather_batch(targets, batch.modes, batch.positions, batch.bits, batch.bounds)
+                out.update((n, (_gathered_piece(n, t, g), True)) for n, t, g in zip(batch.names, targets, gathered))
             else:
-                runs.setdefault(item.where.target.element_size(), []).append((i, item))
-        for run in runs.values():
-            for (i, item), g in zip(run, gather_updates([item for _, item in run])):
-                out[i] = [Piece(Patch(changes[i].name, item.where.target, g.dest, g.new, g.old), g.positions, g.old,
-                                g.new, g.lanes)] if g.dest.numel() else []  # none of it held here
-        return out  # type: ignore[return-value]
+                single = single + batch.changes()
+        items: dict[int, list[tuple[str, GatherItem]]] = {}  # by element size
+        for change in single:
+            where = self._target(change.name) if change.positions is not None and change.mode != "full" else None
+            if where is None:
+                pieces = self._patches_for(change)
+                out[change.name] = pieces, self._listed(change, pieces)
+            else:
+                items.setdefault(where.size, []).append(
+                    (change.name, GatherItem(where, change.positions, change.bits, change.mode)))
+        for run in items.values():
+            out.update((n, (_gathered_piece(n, item.where, g), True))
+                       for (n, item), g in zip(run, gather_updates([item for _, item in run])))
+        return out
 
-    def _gather_item(self, change: TensorChange) -> GatherItem | None:
-        """The change as one item of :func:`~shared.fingerprint.gather_updates`, where it can be one."""
-        if change.positions is None or change.mode == "full":
-            return None
-        if change.name not in self._gather_at:
-            self._gather_at[change.name] = self._gather_target(change.name)
-        where = self._gather_at[change.name]
-        return None if where is None else GatherItem(where, change.positions, change.bits, change.mode)
-
-    def _gather_target(self, name: str) -> GatherTarget | None:
+    def _target(self, name: str) -> GatherTarget | None:
         """Where a change to ``name`` is gathered from, if this rank holds it in one CPU parameter
-        of the checkpoint's dtype: its own view where it is one run of it, else the parameter."""
+        of the checkpoint's dtype: its own view where it is one run of it, else the parameter.
+        Kept: the same tensors are staged every version."""
+        if name in self._gather_at:
+            return self._gather_at[name]
         tables, dtype = self.live.run_tables(name), TORCH_DTYPES[self.held.specs[name][0]]
         flat = self.live.flats[tables[0][0]] if len(tables) == 1 else None
-        if flat is None or not flat.is_cpu or flat.dtype != dtype or flat.element_size() > 4:
-            return None
-        numel = self.live.map.tensors[name].numel
-        (start, length, offset), *more = tables[0][1].tolist()
-        if not more and start == 0 and length == numel:  # the tensor is one run: its own view
-            return GatherTarget(_bits(flat)[offset:offset + numel], one_run(numel), numel)
-        return GatherTarget(_bits(flat), torch.from_numpy(tables[0][1]), numel)
+        where = None
+        if flat is not None and flat.is_cpu and flat.dtype == dtype and flat.element_size() <= 4:
+            numel = self.live.map.tensors[name].numel
+            (start, length, offset), *more = tables[0][1].tolist()
+            if not more and start == 0 and length == numel:  # the tensor is one run: its own view
+                where = GatherTarget(_bits(flat)[offset:offset + numel], one_run(numel), numel)
+            else:
+                where = GatherTarget(_bits(flat), torch.from_numpy(tables[0][1]), numel)
+        self._gather_at[name] = where
+        return where
 
     def _patches_for(self, change: TensorChange) -> list[Piece]:
         """The change's pieces through torch, one per engine parameter this rank holds of it."""
@@ -352,15 +367,11 @@ class LiveWeights:
             out.append(Piece(Patch(change.name, target, dest, new.contiguous(), old), positions, old_ck, new_ck))
         return out
 
-    def _incremental(self, change: TensorChange, pieces: list[Piece]) -> bool:
-        """Whether the fingerprint after the write follows from the held one and the pieces: the
-        changed positions are listed and (``locate`` splits them between parameters, so the
-        pieces never overlap) each lies in one piece."""
-        if not self.held.fingerprints.get(change.name) or change.positions is None:
-            return False
-        if len(pieces) == 1 and pieces[0].positions is change.positions:  # one gathered run: the common case
-            return True
-        return all(p.positions is not None for p in pieces) and \
+    @staticmethod
+    def _listed(change: TensorChange, pieces: list[Piece]) -> bool:
+        """Whether the changed positions are listed and (``locate`` splits them between
+        parameters, so the pieces never overlap) each lies in one piece."""
+        return change.positions is not None and all(p.positions is not None for p in pieces) and \
             sum(p.positions.numel() for p in pieces) == change.positions.numel()
 
     def _predict(self, header: Header, pending: list[tuple[str, list[Piece]]]) -> dict[str, tuple[str, str]]:
@@ -387,9 +398,9 @@ class LiveWeights:
                                  "fingerprint (wrong base or damaged delta); nothing written")
         return shards
 
-    def _predict_whole(self, change: TensorChange, pieces: list[Piece], entry: TensorEntry) -> None:
-        ck_dtype = TORCH_DTYPES[self.held.specs[change.name][0]]
-        after = self.live.read(change.name).reshape(-1).clone()
+    def _predict_whole(self, name: str, pieces: list[Piece], entry: TensorEntry) -> None:
+        ck_dtype = TORCH_DTYPES[self.held.specs[name][0]]
+        after = self.live.read(name).reshape(-1).clone()
         bits = _bits(after)
         for _, positions, _, new_ck, _ in pieces:
             if positions is None:
@@ -399,7 +410,7 @@ class LiveWeights:
         if after.dtype != ck_dtype:
             after = after.to(ck_dtype)
         if not holds(entry, after):
-            raise DeltaError("digest_mismatch", f"{change.name}: applying would not give the "
+            raise DeltaError("digest_mismatch", f"{name}: applying would not give the "
                              "declared digest (wrong base or damaged delta); nothing written")
 
     def write(self, staged: Staged) -> float:

@@ -911,6 +911,24 @@ class TensorChange:
         return combine(self.mode, old_bits, self.bits)
 
 
+class DecodedBatch(NamedTuple):
+    """Sparse changes of tensors of one element width, decoded together and kept joined: tensor
+    ``k`` (``names[k]``) changed at ``positions[bounds[k]:bounds[k + 1]]`` (sorted) by ``bits``
+    there, under ``modes[k]``. A replica stages a batch from the joined arrays in one call
+    (:func:`shared.fingerprint.gather_batch`), without a view per tensor to make and check."""
+
+    names: list[str]
+    modes: list[str]
+    bounds: np.ndarray  # int64, one more than names
+    positions: torch.Tensor  # int64
+    bits: torch.Tensor  # the integer view of the element dtype
+
+    def changes(self) -> list[TensorChange]:
+        """One :class:`TensorChange` per tensor (views: one split each, not a slice per tensor)."""
+        sizes = np.diff(self.bounds).tolist()
+        return list(map(TensorChange, self.names, self.modes, self.positions.split(sizes), self.bits.split(sizes)))
+
+
 def combine(mode: str, old_bits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """New bits from old bits and a change's stored bits (any device; integer views)."""
     if mode == "xor":
@@ -1058,24 +1076,31 @@ class DeltaFile:
         return TensorChange(name, e.encoding, positions, torch.from_numpy(vals.view(SIGNED_NP[iv])))
 
     def decode(self, names: Iterable[str], base: Callable[[str], torch.Tensor] | None = None) -> list[TensorChange | None]:
-        """:meth:`change` of each name, in order; ``base(name)`` is asked for only where positions
-        are coded against the base. Tensors with Rice-coded positions (the default) are decoded
-        together, one numba call per element width, values too where they are rANS-coded: a call
-        per blob costs tens of microseconds of Python, most of decoding a delta of 0.1% of a model."""
+        """:meth:`change` of each name, in order, through :meth:`decode_batches`."""
         names = list(names)
-        out: dict[str, TensorChange | None] = {}
+        batches, out = self.decode_batches(names, base)
+        for batch in batches:
+            out.update(zip(batch.names, batch.changes()))
+        return [out[n] for n in names]
+
+    def decode_batches(self, names: Iterable[str], base: Callable[[str], torch.Tensor] | None = None
+                       ) -> tuple[list[DecodedBatch], dict[str, TensorChange | None]]:
+        """The changes of ``names``: those with Rice-coded positions (the default) decoded
+        together, one numba call per element width, values too where they are rANS-coded (a call
+        per blob costs tens of microseconds of Python, most of decoding a delta of 0.1% of a
+        model), and kept joined; the others by :meth:`change`, by name. ``base(name)`` is asked
+        for only where positions are coded against the base."""
+        single: dict[str, TensorChange | None] = {}
         batches: dict[torch.dtype, list[str]] = {}
         for name in names:
             e = self.header.tensors[name]
             if e.encoding in VALUE_CODERS and e.positions == "gaps" and e.coders.get(POS) == "rice":
                 batches.setdefault(INT_VIEW[TORCH_DTYPES[e.dtype]], []).append(name)
             else:
-                out[name] = self.change(name, base(name) if base and e.positions == "classed" else None)
-        for iv, members in batches.items():
-            out.update(zip(members, self._decode_sparse(members, iv)))
-        return [out[n] for n in names]
+                single[name] = self.change(name, base(name) if base and e.positions == "classed" else None)
+        return [self._decode_sparse(members, iv) for iv, members in batches.items()], single
 
-    def _decode_sparse(self, members: list[str], iv: torch.dtype) -> list[TensorChange]:
+    def _decode_sparse(self, members: list[str], iv: torch.dtype) -> DecodedBatch:
         from .kernels import decode_sparse
 
         entries = [self.header.tensors[n] for n in members]
@@ -1101,10 +1126,8 @@ class DeltaFile:
                                     torch.iinfo(iv).bits, positions, values)
         if failed >= 0:
             raise DeltaError("corrupt", f"{members[failed]}: {_sparse_failure(why, int(limits[failed]))}")
-        sizes = counts.tolist()  # one split, not a slice per tensor
-        pos = torch.from_numpy(positions).split(sizes)
-        vals = torch.from_numpy(values.view(SIGNED_NP[iv])).split(sizes)
-        return [TensorChange(n, e.encoding, p, v) for n, e, p, v in zip(members, entries, pos, vals)]
+        return DecodedBatch(members, [e.encoding for e in entries], bounds, torch.from_numpy(positions),
+                            torch.from_numpy(values.view(SIGNED_NP[iv])))
 
     def changes(self, base: Callable[[str], torch.Tensor] | None = None) -> Iterator[TensorChange]:
         """Every change; ``base(name)`` is asked for a base tensor only where one is needed."""

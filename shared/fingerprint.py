@@ -58,6 +58,7 @@ Backend = Literal["auto", "numba", "torch"]
 _SIGNED = {8: torch.uint8, 16: torch.int16, 32: torch.int32}  # torch views of each width
 _UNSIGNED_NP = {8: np.uint8, 16: np.uint16, 32: np.uint32}
 _NP_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy bits -> a view torch takes
+_TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,7 @@ class GatherTarget:
     numel: int  # the tensor's elements
     # (target's address and elements, runs' address and rows, numel): the kernel's table row
     row: tuple[int, int, int, int, int] = field(init=False, repr=False, compare=False)
+    size: int = field(init=False, repr=False, compare=False)  # bytes an element
 
     def __post_init__(self) -> None:
         t, runs = self.target, self.runs
@@ -309,6 +311,7 @@ class GatherTarget:
             runs = torch.as_tensor(np.asarray(runs), dtype=torch.int64).reshape(-1, 3).contiguous()
             object.__setattr__(self, "runs", runs)  # the copy the kernel reads, kept with the target
         object.__setattr__(self, "row", (t.data_ptr(), t.numel(), runs.data_ptr(), runs.size(0), int(self.numel)))
+        object.__setattr__(self, "size", t.element_size())
 
 
 class GatherItem(NamedTuple):
@@ -336,75 +339,89 @@ class Gathered(NamedTuple):
     lanes: np.ndarray  # four uint64: what the write adds to the fingerprint of the elements held here
 
 
-def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
-    """Stages the writes of ``items`` (all of one element width) in one numba call: per item,
-    the positions this rank holds, their places in the target, the target's bits there, the new
-    bits by the item's rule, and what the write adds to the fingerprint (:func:`fingerprint_delta`
-    of the old and new bits: under tensor parallelism, of this rank's partial). The kernel reaches
-    every target, run table, position and bit array by address: a replica stages each touched
-    tensor every version, and at 0.1% changed a call per tensor spent more time on numba's
-    argument checks and numpy views than on the gather itself."""
-    if not items:
+def gather_batch(targets: Sequence[GatherTarget], modes: Sequence[str], positions: torch.Tensor,
+                 bits: torch.Tensor, bounds: np.ndarray) -> list[Gathered]:
+    """Stages the writes of several tensors' changes, all of one element width, in one numba call.
+    Tensor ``k`` changes at ``positions[bounds[k]:bounds[k + 1]]`` by ``bits`` there under
+    ``modes[k]`` (joined, as :meth:`shared.codec.DeltaFile.decode_batches` gives them) and lands
+    in ``targets[k]``. Per tensor: the positions this rank holds, their places in the target, the
+    target's bits there, the new bits by the tensor's rule, and what the write adds to the
+    fingerprint (:func:`fingerprint_delta` of the old and new bits: under tensor parallelism, of
+    this rank's partial). A replica stages each touched tensor every version, and at 0.1% changed
+    a call, or a check of its arrays, per tensor cost more than the gather itself."""
+    if not targets:
         return []
-    size = items[0].where.target.element_size()
-    width = size * 8
-    rows = []  # per item: its target's row, then the addresses of its positions and bits, its rule
-    bounds = [0]
-    keep = []  # copies made contiguous here, alive until the kernel returns
-    indices = []  # per item, its positions as the kernel reads them (int64)
-    for k, (where, positions, bits, mode) in enumerate(items):
-        if where.target.element_size() != size:
-            raise ValueError(f"item {k}: a {width}-bit target like item 0's, not {where.target.dtype}")
-        if positions.dim() != 1 or bits.dim() != 1 or bits.element_size() != size \
-                or bits.numel() != positions.numel():
-            raise ValueError(f"item {k}: one {width}-bit value per position: {positions.numel()} positions, "
-                             f"{bits.dtype} {tuple(bits.shape)}")
-        if positions.dtype is not torch.int64 or not positions.is_cpu or not positions.is_contiguous():
-            positions = positions.to("cpu", torch.int64).contiguous()
-            keep.append(positions)
-        if not bits.is_cpu or not bits.is_contiguous():
-            bits = bits.cpu().contiguous()
-            keep.append(bits)
-        indices.append(positions)
+    size = targets[0].target.element_size()
+    width, total = size * 8, positions.numel()
+    if positions.dtype is not torch.int64 or positions.dim() != 1 or not positions.is_cpu \
+            or not positions.is_contiguous() or bits.dim() != 1 or bits.numel() != total \
+            or bits.element_size() != size or not bits.is_cpu or not bits.is_contiguous():
+        raise ValueError(f"contiguous int64 positions on the CPU and one {width}-bit value each, not "
+                         f"{positions.dtype} {tuple(positions.shape)} and {bits.dtype} {tuple(bits.shape)}")
+    bounds = np.asarray(bounds, dtype=np.int64)
+    if bounds.shape != (len(targets) + 1,) or bounds[0] != 0 or bounds[-1] != total or np.any(bounds[1:] < bounds[:-1]):
+        raise ValueError(f"bounds from 0 to {total}, one more than the {len(targets)} targets")
+    rows = []  # per tensor: its target's row and its rule
+    for k, (where, mode) in enumerate(zip(targets, modes, strict=True)):
         rule = _RULES.get(mode)
         if rule is None:
             raise ValueError(f"item {k}: unknown rule {mode!r} (one of {sorted(_RULES)})")
-        rows.append((*where.row, positions.data_ptr(), bits.data_ptr(), rule))
-        bounds.append(bounds[-1] + positions.numel())
+        if where.size != size:
+            raise ValueError(f"item {k}: a {width}-bit target like item 0's, not {where.target.dtype}")
+        rows.append((*where.row, rule))
     u = _UNSIGNED_NP[width]
-    total = bounds[-1]
     held, dest = np.empty(total, np.int64), np.empty(total, np.int64)
     old, new = np.empty(total, u), np.empty(total, u)
     counts = np.empty(len(rows), np.int64)
     direct = np.zeros(len(rows), np.uint8)
     lanes = np.zeros((len(rows), 4), np.uint64)
-    failed = _kernels()["gather"](np.array(rows, dtype=np.int64), np.array(bounds, dtype=np.int64), width,
-                                  held, dest, old, new, counts, direct, lanes)
-    del keep
+    failed = _kernels()["gather"](np.array(rows, dtype=np.int64), bounds, width, positions.numpy(),
+                                  bits.numpy().view(u), held, dest, old, new, counts, direct, lanes)
     if failed >= 0:
         k = failed // 2
         if failed % 2:
             raise ValueError(f"item {k}: runs out of order, overlapping or outside the target's "
                              f"{rows[k][1]} elements or the tensor's {rows[k][4]}")
         raise ValueError(f"item {k}: positions outside the tensor's {rows[k][4]} elements")
-    # one split each, not slices per item: item k's outputs are the first counts[k] of its span
-    signed, counts_ = _NP_SIGNED[size], counts.tolist()
-    spans = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if counts_ == spans:  # every position held here (always on one rank): the callers' own positions
-        held_t, step = [item.positions for item in items], 1
-        sizes = spans
+    # one split each, not slices per tensor: tensor k's outputs are the first counts[k] of its span
+    signed, counts_, spans = _NP_SIGNED[size], counts.tolist(), np.diff(bounds).tolist()
+    if counts_ == spans:  # every position held here (always on one rank)
+        sizes, step = spans, 1
+        held_t = ours = positions.split(sizes)
     else:
         sizes, step = [s for c, n in zip(counts_, spans) for s in (c, n - c)], 2
-        held_t = [item.positions if c == n else h for item, c, n, h in
-                  zip(items, counts_, spans, torch.from_numpy(held).split(sizes)[::2])]
-    if direct.all():  # targets that are their tensors: no dest written, none split
-        dest_t = indices
+        ours = positions.split(spans)
+        held_t = [p if c == n else h for p, c, n, h in
+                  zip(ours, counts_, spans, torch.from_numpy(held).split(sizes)[::2])]
+    if direct.all():  # targets that are their tensors: the positions are the write's indices
+        dest_t = ours
     else:
         split = torch.from_numpy(dest).split(sizes)[::step]
-        dest_t = [i if d else t for i, d, t in zip(indices, direct.tolist(), split)]
+        dest_t = [i if d else t for i, d, t in zip(ours, direct.tolist(), split)]
     old_t = torch.from_numpy(old.view(signed)).split(sizes)[::step]
     new_t = torch.from_numpy(new.view(signed)).split(sizes)[::step]
     return list(map(Gathered, held_t, dest_t, old_t, new_t, lanes))
+
+
+def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
+    """:func:`gather_batch` of changes held apart (joined here, a copy); where every position of an
+    item is held here, its :attr:`Gathered.positions` is the item's own."""
+    if not items:
+        return []
+    size = items[0].where.size
+    for k, (_, positions, bits, _) in enumerate(items):
+        if positions.dim() != 1 or bits.dim() != 1 or bits.element_size() != size \
+                or bits.numel() != positions.numel():
+            raise ValueError(f"item {k}: one {8 * size}-bit value per position: {positions.numel()} positions, "
+                             f"{bits.dtype} {tuple(bits.shape)}")
+    bounds = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum([item.positions.numel() for item in items], out=bounds[1:])
+    view = _TORCH_INT[size]  # one dtype to join (int8 and uint8 would widen)
+    out = gather_batch([item.where for item in items], [item.mode for item in items],
+                       torch.cat([item.positions.to("cpu", torch.int64) for item in items]),
+                       torch.cat([item.bits.cpu().view(view) for item in items]), bounds)
+    return [g._replace(positions=item.positions) if g.positions.numel() == item.positions.numel() else g
+            for item, g in zip(items, out)]
 
 
 def delta_lanes(indices: np.ndarray, old: np.ndarray, new: np.ndarray, bounds: np.ndarray,
@@ -622,14 +639,14 @@ def _delta_kernel(idx, old, new, width, bounds, out):  # pragma: no cover - comp
     return True
 
 
-def _gather_kernel(table, bounds, width, held, dest, old, new, counts, direct, out):  # pragma: no cover - numba
-    """The writes of :func:`gather_updates` staged. Item ``k`` is ``table[k]`` = (address of its
-    target, the target's elements, address of its runs, the run count, the tensor's elements,
-    addresses of its positions and bits, its rule: 0 ``old ^ bits``, 1 ``old + bits`` wrapping, 2 ``bits``) and owns
-    ``bounds[k]:bounds[k+1]`` of the outputs, of which it fills the first ``counts[k]`` (not
-    ``dest`` where it sets ``direct[k]``: the target is the tensor, one run at 0). Returns
-    -1, or with nothing read ``2k`` for item ``k``'s positions outside its tensor, ``2k + 1`` for
-    its runs. One pass per step (gather, rule, fingerprint): fused into one loop, the gather's
+def _gather_kernel(table, bounds, width, positions, bits, held, dest, old, new, counts, direct, out):  # pragma: no cover - numba
+    """The writes of :func:`gather_batch` staged. Tensor ``k`` is ``table[k]`` = (address of
+    its target, the target's elements, address of its runs, the run count, the tensor's elements,
+    its rule: 0 ``old ^ bits``, 1 ``old + bits`` wrapping, 2 ``bits``) and owns
+    ``bounds[k]:bounds[k+1]`` of ``positions``, ``bits`` and the outputs, of which it fills the
+    first ``counts[k]`` (not ``dest`` where it sets ``direct[k]``: the target is the tensor, one
+    run at 0). Returns -1, or with nothing read ``2k`` for tensor ``k``'s positions outside it,
+    ``2k + 1`` for its runs. One pass per step (gather, rule, fingerprint): fused into one loop, the gather's
     loads and the stores kept LLVM from vectorising the lanes, at 2.5x the time."""
     for k in range(bounds.shape[0] - 1):
         runs = _nb_carray(_nb_address(table[k, 2], dest), (table[k, 3], 3))
@@ -640,30 +657,28 @@ def _gather_kernel(table, bounds, width, held, dest, old, new, counts, direct, o
             end = runs[r, 0] + runs[r, 1]
         if end > numel:
             return 2 * k + 1
-        positions = _nb_carray(_nb_address(table[k, 5], dest), bounds[k + 1] - bounds[k])
-        for j in range(positions.shape[0]):
+        for j in range(bounds[k], bounds[k + 1]):
             if positions[j] < 0 or positions[j] >= numel:
                 return 2 * k
     for k in range(bounds.shape[0] - 1):
         lo, hi = bounds[k], bounds[k + 1]
-        mode, numel = table[k, 7], table[k, 4]
-        positions = _nb_carray(_nb_address(table[k, 5], dest), hi - lo)
-        bits = _nb_carray(_nb_address(table[k, 6], old), hi - lo)
+        mode, numel = table[k, 5], table[k, 4]
+        pos, src = positions[lo:hi], bits[lo:hi]
         runs = _nb_carray(_nb_address(table[k, 2], dest), (table[k, 3], 3))
         target = _nb_carray(_nb_address(table[k, 0], old), table[k, 1])
         d, o, n = dest[lo:hi], old[lo:hi], new[lo:hi]
         if runs.shape[0] == 1 and runs[0, 0] == 0 and runs[0, 1] == numel and runs[0, 2] == 0:
             for j in range(hi - lo):  # the target is the tensor: the positions are where (no dest)
-                o[j] = target[positions[j]]
-            c, at_, src = hi - lo, positions, bits
+                o[j] = target[pos[j]]
+            c, at_ = hi - lo, pos
             direct[k] = 1
             if mode == 2:
-                n[:] = bits
+                n[:] = src
         else:  # held in runs, some perhaps on other ranks
             c, r, last = 0, 0, runs.shape[0] - 1
             h = held[lo:hi]
             for j in range(hi - lo if last >= 0 else 0):
-                p = positions[j]
+                p = pos[j]
                 if p < runs[r, 0] or p >= runs[r, 0] + runs[r, 1]:  # not the current run
                     if r < last and runs[r, 0] + runs[r, 1] <= p < runs[r + 1, 0]:
                         continue  # in the gap after it: another rank's (positions come sorted)
@@ -683,7 +698,7 @@ def _gather_kernel(table, bounds, width, held, dest, old, new, counts, direct, o
                 h[c] = p
                 d[c] = runs[r, 2] + p - runs[r, 0]
                 o[c] = target[d[c]]
-                n[c] = bits[j]
+                n[c] = src[j]
                 c += 1
             at_, src = h, n
         counts[k] = c

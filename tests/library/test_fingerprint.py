@@ -27,6 +27,7 @@ from shared.fingerprint import (
     GatherItem,
     GatherTarget,
     fingerprints,
+    gather_batch,
     gather_updates,
     one_run,
     runs_fingerprint,
@@ -322,7 +323,7 @@ def test_gathered_update_refusals():
     with pytest.raises(ValueError, match="a flat 8-32-bit CPU tensor"):
         GatherTarget(param[::2], one_run(5), 5)
     with pytest.raises(ValueError, match="item 1: a 16-bit target like item 0's"):  # one element width per call
-        gather_updates([fine, item(param.int(), one_run(10), 10, [0, 1], bits.int(), "set")])
+        gather_updates([fine, item(param.int(), one_run(10), 10, [0, 1], bits, "set")])
     assert torch.equal(param, torch.zeros(10, dtype=torch.int16))
     with pytest.raises(ValueError, match="64 hex digits"):
         add_lanes(["ab" * 8], np.zeros((1, 4), np.uint64))
@@ -330,6 +331,28 @@ def test_gathered_update_refusals():
         add_lanes(["ab" * 32], np.zeros((2, 4), np.uint64))
     with pytest.raises(ValueError, match="non-hexadecimal"):
         add_lanes(["xy" * 32], np.zeros((1, 4), np.uint64))
+
+
+def test_gather_batch_reads_joined_changes_and_refuses_a_bad_join():
+    """A replica stages a decoded batch straight from its joined arrays: the same as the
+    tensors' changes apart; a join that does not add up is refused before anything is read."""
+    targets = [GatherTarget(torch.arange(10, dtype=torch.int16), one_run(10), 10),
+               GatherTarget(torch.arange(100, 106, dtype=torch.int16), one_run(6), 6)]
+    positions, bits = torch.tensor([1, 4, 0, 5]), torch.tensor([7, 7, 1, 1], dtype=torch.int16)
+    modes, bounds = ["set", "xor"], np.array([0, 2, 4])
+    got = gather_batch(targets, modes, positions, bits, bounds)
+    assert [(g.positions.tolist(), g.dest.tolist(), g.old.tolist(), g.new.tolist()) for g in got] == \
+        [([1, 4], [1, 4], [1, 4], [7, 7]), ([0, 5], [0, 5], [100, 105], [101, 104])]
+    apart = gather_updates([GatherItem(t, positions[a:b], bits[a:b], m)
+                            for t, m, a, b in zip(targets, modes, bounds[:-1], bounds[1:])])
+    assert [g.lanes.tolist() for g in got] == [g.lanes.tolist() for g in apart]
+    for bad in ([0, 2], [0, 3, 2], [1, 2, 4], [0, 2, 5]):
+        with pytest.raises(ValueError, match="bounds from 0 to 4, one more than the 2 targets"):
+            gather_batch(targets, modes, positions, bits, np.array(bad))
+    for p, b in ((positions.int(), bits), (positions, bits.int()), (positions, bits[:3]), (positions[::2], bits[::2])):
+        with pytest.raises(ValueError, match="contiguous int64 positions on the CPU and one 16-bit value each"):
+            gather_batch(targets, modes, p, b, np.array([0, 1, 2]) if p.numel() == 2 else bounds)
+    assert [t.target.tolist() for t in targets] == [list(range(10)), list(range(100, 106))]
 
 
 def test_gathered_updates_take_int32_positions_strided_bits_and_other_run_tables():
