@@ -1104,9 +1104,10 @@ class DeltaFile:
         from .kernels import decode_sparse
 
         entries = [self.header.tensors[n] for n in members]
+        modes = [e.encoding for e in entries]
         counts = np.array([e.changed for e in entries], dtype=np.int64)
-        limits = np.array([e.numel for e in entries], dtype=np.int64)
-        zig = np.array([e.encoding == "add" for e in entries], dtype=np.bool_)
+        limits = np.array([math.prod(e.shape) for e in entries], dtype=np.int64)
+        zig = np.array(modes) == "add"
         bounds = np.zeros(len(members) + 1, dtype=np.int64)
         np.cumsum(counts, out=bounds[1:])
         positions = np.empty(int(bounds[-1]), dtype=np.int64)
@@ -1118,15 +1119,15 @@ class DeltaFile:
         code_at, raw_at, val_end = (np.full(len(members), -1, dtype=np.int64) for _ in range(3))
         tables[ans], code_at[ans], raw_at[ans] = ints_sections_many(buf, val_lo, val_hi)
         val_end[ans] = val_hi
-        for t, e in enumerate(entries):  # other value coders (new bits of a few elements: zstd)
-            if code_at[t] < 0:
-                values[bounds[t]:bounds[t + 1]] = decode_value_bits(
-                    e.encoding, self._blob(members[t], VAL), e.changed, UNSIGNED_NP[iv], e.coders.get(VAL, "zstd"))
+        for t in np.flatnonzero(code_at < 0).tolist():  # other value coders (new bits of a few elements: zstd)
+            e = entries[t]
+            values[bounds[t]:bounds[t + 1]] = decode_value_bits(
+                e.encoding, self._blob(members[t], VAL), e.changed, UNSIGNED_NP[iv], e.coders.get(VAL, "zstd"))
         failed, why = decode_sparse(buf, pos_lo, pos_hi, code_at, raw_at, val_end, tables, counts, limits, zig,
                                     torch.iinfo(iv).bits, positions, values)
         if failed >= 0:
             raise DeltaError("corrupt", f"{members[failed]}: {_sparse_failure(why, int(limits[failed]))}")
-        return DecodedBatch(members, [e.encoding for e in entries], bounds, torch.from_numpy(positions),
+        return DecodedBatch(members, modes, bounds, torch.from_numpy(positions),
                             torch.from_numpy(values.view(SIGNED_NP[iv])))
 
     def changes(self, base: Callable[[str], torch.Tensor] | None = None) -> Iterator[TensorChange]:
