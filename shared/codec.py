@@ -62,6 +62,7 @@ from .entropy import (
     decode_ints_into,
     encode_ints,
     ints_blob,
+    ints_head,
     ints_sections_many,
     rice_blob,
     rice_decode,
@@ -330,6 +331,7 @@ def _u8(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
 
 
+_BYTES = tuple(bytes((i,)) for i in range(256))  # each byte value as a bytes object, made once
 SAMPLE = 4096  # changes from which the size of each value kind is estimated
 SET_GATE = 1024  # of those, the ones that decide whether "set" is worth a zstd trial
 PATTERN_SAMPLE = 512  # gaps searched for a repeating pattern (of a period up to about this)
@@ -342,17 +344,22 @@ def sparse_entry(base_entry: TensorEntry, name: str, positions: np.ndarray | Non
                    None if positions is None else encode_positions(positions))
 
 
-def _sparse(base_entry: TensorEntry, name: str, mode: str, changed: int, values: bytes,
-            positions: tuple[bytes, int, str] | None) -> EncodedTensor:
+def _sparse(base_entry: TensorEntry, name: str, mode: str, changed: int, values: bytes | torch.Tensor,
+            positions: tuple[bytes | torch.Tensor, int, str] | None, fingerprint: str | None = None
+            ) -> EncodedTensor:
     """A sparse tensor's entry and blobs from its coded values and (None: every element) its
-    :func:`encode_positions`."""
-    blobs = {VAL: values}
+    :func:`encode_positions`; a blob is given as bytes or as a uint8 tensor. ``fingerprint``:
+    the target's, if the entry does not hold it yet."""
+    blobs = {name + VAL: values if isinstance(values, torch.Tensor) else _u8(values)}
     fields = {"encoding": mode, "changed": changed, "positions": "all", "coders": {VAL: VALUE_CODERS[mode]}}
+    if fingerprint is not None:
+        fields["fingerprint"] = fingerprint
     if positions is not None:
-        blobs[POS], fields["gap_bytes"], fields["coders"][POS] = positions
+        blob, fields["gap_bytes"], fields["coders"][POS] = positions
+        blobs[name + POS] = blob if isinstance(blob, torch.Tensor) else _u8(blob)
         fields["positions"] = "gaps"
     # one copy with every field (each attribute set on a pydantic model costs ~2 us)
-    return EncodedTensor(base_entry.model_copy(update=fields), {name + k: _u8(v) for k, v in blobs.items()})
+    return EncodedTensor(base_entry.model_copy(update=fields), blobs)
 
 
 def choose_mode(xor: np.ndarray, new: Callable[[int], np.ndarray]) -> str:
@@ -595,12 +602,15 @@ def change_batches(found: Mapping[str, Changes], after: Mapping[str, torch.Tenso
     return out
 
 
-def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry]) -> list[EncodedTensor]:
+def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry],
+                        fingerprints: Sequence[str] | None = None) -> list[EncodedTensor]:
     """:func:`encode_changes` of each tensor of ``batch`` (``entries``: their entries so far), the
     same bytes, in one kernel call (:func:`shared.kernels.encode_sparse_many`). A delta of 0.1%
     of a model is a hundred or more tensors of a few hundred changes, and coding them one by one
     cost ~100 us a tensor in calls, more than their changes did. The zstd trials of
-    :func:`choose_mode` and :func:`encode_positions` run here, for the tensors the kernel flags."""
+    :func:`choose_mode` and :func:`encode_positions` run here, for the tensors the kernel flags.
+    ``fingerprints``: the tensors' new ones, set in the one copy made of each entry (so the
+    entries may be templates a caller keeps)."""
     from .kernels import NEEDS_ALL, NEEDS_POSITIONS_TRIAL, NEEDS_SET_TRIAL, encode_sparse_many
 
     count = len(batch.names)
@@ -609,14 +619,27 @@ def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry]) -> l
     estimates = np.empty((count, 2))
     buf = encode_sparse_many(batch.starts, batch.positions, batch.xor, batch.new, SAMPLE, SET_GATE,
                              PATTERN_SAMPLE, ALPHABET, tables, spans, estimates)
-    out = []
+    out: list[EncodedTensor | None] = [None] * count
+    # The tensors coded by the kernel alone (most of them): their blobs joined into one buffer and
+    # handed on as views of it, not as bytes objects copied and wrapped one by one.
+    parts: list = []
+    sizes: list[int] = []
+    plain: list[tuple[int, str, int]] = []  # (tensor, value kind, changes)
     for k, (name, entry, t, (needs, add, rice_k, code, raw, rice, end), estimate) in enumerate(
             zip(batch.names, entries, tables, spans.tolist(), estimates.tolist())):
         pos, xor, new = batch.part(k)
+        if fingerprints is not None and needs:  # (set in the one copy below where nothing is needed)
+            entry = entry.model_copy(update={"fingerprint": fingerprints[k]})
         if needs & NEEDS_ALL:
-            out.append(encode_changes(entry, name, pos, xor, lambda n=None, new=new: new[:n]))
+            out[k] = encode_changes(entry, name, pos, xor, lambda n=None, new=new: new[:n])
             continue
         mode = "add" if add else "xor"
+        if not needs:
+            head = ints_head(t, raw - code, rice - raw)
+            parts += [head, buf[code:rice], _BYTES[rice_k], buf[rice:end]]
+            sizes += [len(head) + rice - code, 1 + end - rice]
+            plain.append((k, mode, pos.shape[0]))
+            continue
         if not needs & NEEDS_SET_TRIAL:
             values = ints_blob(t, buf[code:raw], buf[raw:rice])
         elif len(trial := encode_values(new[:SAMPLE])) < min(estimate):
@@ -625,8 +648,13 @@ def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry]) -> l
             values = encode_value_bits(mode, value_bits(mode, xor, new))
         positions = rice_blob(rice_k, buf[rice:end])
         positions = _zstd_trial(pos, positions) if needs & NEEDS_POSITIONS_TRIAL else (positions, 0, "rice")
-        out.append(_sparse(entry, name, mode, pos.shape[0], values, positions))
-    return out
+        out[k] = _sparse(entry, name, mode, pos.shape[0], values, positions)
+    if plain:
+        blobs = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).split(sizes)
+        for (k, mode, changed), values, positions in zip(plain, blobs[::2], blobs[1::2]):
+            out[k] = _sparse(entries[k], batch.names[k], mode, changed, values, (positions, 0, "rice"),
+                             None if fingerprints is None else fingerprints[k])
+    return out  # type: ignore[return-value]
 
 
 def encode_state(base: Mapping[str, torch.Tensor],

@@ -74,9 +74,14 @@ def encode_ints(x: np.ndarray, zigzag: bool = False) -> bytes:
 
 def ints_blob(freq: np.ndarray, code: np.ndarray, raw: np.ndarray) -> bytes:
     """The blob of :func:`encode_ints` from its parts: symbol frequencies, rANS code, raw bits."""
+    return b"".join([ints_head(freq, code.shape[0], raw.shape[0]), code, raw])
+
+
+def ints_head(freq: np.ndarray, code_bytes: int, raw_bytes: int) -> bytes:
+    """What an :func:`encode_ints` blob holds before its rANS code: the section sizes and the
+    compressed symbol frequencies."""
     table = zstd_compress(freq.astype("<u2").tobytes())
-    return b"".join([_HEAD.pack(len(table), code.shape[0], raw.shape[0]), table, code.tobytes(),
-                     raw.tobytes()])
+    return _HEAD.pack(len(table), code_bytes, raw_bytes) + table
 
 
 def decode_ints(blob, count: int) -> np.ndarray:

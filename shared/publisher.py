@@ -262,6 +262,7 @@ class DeltaPublisher:
         self._spare: dict[str, torch.Tensor] = {}  # name -> a second snapshot buffer, while the tensor is busy
         self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
         self._fingerprints = fingerprints_of(self._snapshot)  # then kept up to date in O(changes)
+        self._templates: dict[str, TensorEntry] = {}  # see _entry
         self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
         self._since_anchor_bytes, self._since_anchor = 0, 0
         self._force_anchor = False
@@ -489,7 +490,7 @@ class DeltaPublisher:
             for changes in change_batches(sparse, self._snapshot):
                 fingerprints = fingerprints_after(changes, self._fingerprints)
                 coded.update(zip(changes.names, encode_changes_many(
-                    changes, [self._entry(n, fingerprints[n]) for n in changes.names])))
+                    changes, [self._entry(n) for n in changes.names], [fingerprints[n] for n in changes.names])))
             return [coded[n] if n in coded else one(n) for n in members]
 
         work = [_encode_work(job.found[n], self._snapshot[n]) for n in names]
@@ -571,9 +572,15 @@ class DeltaPublisher:
         (leave it out, digests="anchors")."""
         return None if self.digests == "every" else ""
 
-    def _entry(self, name: str, fingerprint: str) -> TensorEntry:
-        """A touched tensor's entry before its coding: the snapshot's (already the new state)."""
-        return tensor_entry(self._snapshot[name], self._new_digest(), fingerprint)
+    def _entry(self, name: str) -> TensorEntry:
+        """A touched tensor's entry before its coding and fingerprint: the snapshot's (already the
+        new state) with its digest where digests="every", else a template kept per tensor (its
+        dtype and shape never change; the coder copies it)."""
+        if self.digests == "every":
+            return tensor_entry(self._snapshot[name], None)
+        if name not in self._templates:
+            self._templates[name] = tensor_entry(self._snapshot[name], "")
+        return self._templates[name]
 
     def _encode_where(self, name: str, live: torch.Tensor) -> EncodedTensor:
         """One tensor's change, found on the device that holds it (the host snapshot follows)."""
@@ -611,7 +618,8 @@ class DeltaPublisher:
         classed = encode_positions_classed(pos, hv, host.dtype) if self.compact else None  # on the base
         hv[pos] = new_at
         fp = self._fingerprints[name] + fingerprint_delta(pos, old_at, new_at, host.element_size() * 8)
-        return encode_changes(self._entry(name, fp.hex()), name, pos, xor, lambda k=None: new_at[:k],
+        return encode_changes(self._entry(name).model_copy(update={"fingerprint": fp.hex()}), name, pos, xor,
+                              lambda k=None: new_at[:k],
                               None if classed is None else lambda: classed)
 
     def _write_anchor(self, version: int, base_version: int | None, base_commitment: str):

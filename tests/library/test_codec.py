@@ -579,19 +579,25 @@ def test_sparse_changes_coded_together_are_coded_as_one_by_one(seed, count):
         else:
             xor = (rng.integers(1, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True) if kind == "random"
                    else rng.integers(1, 4, n).astype(dtype))
-        entry = TensorEntry(dtype="bfloat16" if dtype == np.uint16 else "float32", shape=[numel], fingerprint="ab" * 32)
+        entry = TensorEntry(dtype="bfloat16" if dtype == np.uint16 else "float32", shape=[numel],
+                            fingerprint=f"{t + 1:064x}")
         items.append((f"t{t}", entry, positions, xor, new))
     for width in (np.uint16, np.uint32):
         group = [it for it in items if it[3].dtype == width]
         if not group:
             continue
         names, entries, positions, xor, new = zip(*group)
-        together = encode_changes_many(ChangeBatch.join(names, positions, xor, new), entries)
-        for (name, entry, pos, x, n), got in zip(group, together, strict=True):
+        batch = ChangeBatch.join(names, positions, xor, new)
+        together = encode_changes_many(batch, entries)
+        # entries kept as templates, with the fingerprints given apart: the same, templates untouched
+        templates = [e.model_copy(update={"fingerprint": ""}) for e in entries]
+        from_templates = encode_changes_many(batch, templates, [e.fingerprint for e in entries])
+        assert [t.fingerprint for t in templates] == [""] * len(templates)
+        for (name, entry, pos, x, n), got, other in zip(group, together, from_templates, strict=True):
             want = encode_changes(entry, name, pos, x, lambda k=None, n=n: n[:k])
-            assert got.entry == want.entry
+            assert got.entry == want.entry == other.entry
             assert {k: bytes(v.numpy()) for k, v in got.blobs.items()} == \
-                {k: bytes(v.numpy()) for k, v in want.blobs.items()}
+                {k: bytes(v.numpy()) for k, v in want.blobs.items()} == {k: bytes(v.numpy()) for k, v in other.blobs.items()}
 
 
 def test_change_batches_join_per_width_and_gather_the_new_bits():
