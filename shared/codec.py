@@ -628,7 +628,7 @@ def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry],
     for k, (name, entry, t, (needs, add, rice_k, code, raw, rice, end), estimate) in enumerate(
             zip(batch.names, entries, tables, spans.tolist(), estimates.tolist())):
         pos, xor, new = batch.part(k)
-        if fingerprints is not None and needs:  # (set in the one copy below where nothing is needed)
+        if fingerprints is not None and needs:  # paths that make the entry themselves: the fingerprint first
             entry = entry.model_copy(update={"fingerprint": fingerprints[k]})
         if needs & NEEDS_ALL:
             out[k] = encode_changes(entry, name, pos, xor, lambda n=None, new=new: new[:n])

@@ -58,7 +58,6 @@ Backend = Literal["auto", "numba", "torch"]
 _SIGNED = {8: torch.uint8, 16: torch.int16, 32: torch.int32}  # torch views of each width
 _UNSIGNED_NP = {8: np.uint8, 16: np.uint16, 32: np.uint32}
 _NP_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy bits -> a view torch takes
-_TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 @dataclass(frozen=True)
@@ -416,7 +415,7 @@ def gather_updates(items: Sequence[GatherItem]) -> list[Gathered]:
                              f"{bits.dtype} {tuple(bits.shape)}")
     bounds = np.zeros(len(items) + 1, dtype=np.int64)
     np.cumsum([item.positions.numel() for item in items], out=bounds[1:])
-    view = _TORCH_INT[size]  # one dtype to join (int8 and uint8 would widen)
+    view = _SIGNED[8 * size]  # one dtype to join (int8 and uint8 would widen)
     out = gather_batch([item.where for item in items], [item.mode for item in items],
                        torch.cat([item.positions.to("cpu", torch.int64) for item in items]),
                        torch.cat([item.bits.cpu().view(view) for item in items]), bounds)
@@ -639,15 +638,16 @@ def _delta_kernel(idx, old, new, width, bounds, out):  # pragma: no cover - comp
     return True
 
 
-def _gather_kernel(table, bounds, width, positions, bits, held, dest, old, new, counts, direct, out):  # pragma: no cover - numba
+def _gather_kernel(table, bounds, width, positions, bits, held, dest, old, new, counts, direct,
+                   out):  # pragma: no cover - numba
     """The writes of :func:`gather_batch` staged. Tensor ``k`` is ``table[k]`` = (address of
     its target, the target's elements, address of its runs, the run count, the tensor's elements,
     its rule: 0 ``old ^ bits``, 1 ``old + bits`` wrapping, 2 ``bits``) and owns
     ``bounds[k]:bounds[k+1]`` of ``positions``, ``bits`` and the outputs, of which it fills the
     first ``counts[k]`` (not ``dest`` where it sets ``direct[k]``: the target is the tensor, one
     run at 0). Returns -1, or with nothing read ``2k`` for tensor ``k``'s positions outside it,
-    ``2k + 1`` for its runs. One pass per step (gather, rule, fingerprint): fused into one loop, the gather's
-    loads and the stores kept LLVM from vectorising the lanes, at 2.5x the time."""
+    ``2k + 1`` for its runs. One pass per step (gather, rule, fingerprint): fused into one loop,
+    the gather's loads and the stores kept LLVM from vectorising the lanes, at 2.5x the time."""
     for k in range(bounds.shape[0] - 1):
         runs = _nb_carray(_nb_address(table[k, 2], dest), (table[k, 3], 3))
         numel, end = table[k, 4], 0

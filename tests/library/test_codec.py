@@ -596,8 +596,8 @@ def test_sparse_changes_coded_together_are_coded_as_one_by_one(seed, count):
         for (name, entry, pos, x, n), got, other in zip(group, together, from_templates, strict=True):
             want = encode_changes(entry, name, pos, x, lambda k=None, n=n: n[:k])
             assert got.entry == want.entry == other.entry
-            assert {k: bytes(v.numpy()) for k, v in got.blobs.items()} == \
-                {k: bytes(v.numpy()) for k, v in want.blobs.items()} == {k: bytes(v.numpy()) for k, v in other.blobs.items()}
+            blobs = [{k: bytes(v.numpy()) for k, v in e.blobs.items()} for e in (got, want, other)]
+            assert blobs[0] == blobs[1] == blobs[2]
 
 
 def test_change_batches_join_per_width_and_gather_the_new_bits():
