@@ -52,13 +52,11 @@ def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
     return {n: (torch.randn(s, generator=g) * 0.02).to(BF16) for n, s in CKPT.items()}
 
 
-@pytest.fixture
-def loaded():
+def _load(model: FusedModel, key: str):
     ckpt = checkpoint()
     ckpt["lm_head.weight"] = ckpt["embed.weight"].clone()
     specs = {n: (SAFETENSORS_DTYPES[t.dtype], list(t.shape)) for n, t in ckpt.items()}
-    model = FusedModel()
-    emap = build_map(model, specs, key="test")
+    emap = build_map(model, specs, key=key)
     emap = EngineMap.model_validate_json(emap.model_dump_json())  # the cache round trip
     model.load_weights(ckpt.items())
     live = LiveMap(emap, model)
@@ -67,6 +65,11 @@ def loaded():
                           {"lm_head.weight": tensor_fingerprint(head).hex()}, audit_every=3)
     weights.read_back()
     return ckpt, model, emap, weights
+
+
+@pytest.fixture
+def loaded():
+    return _load(FusedModel(), "test")
 
 
 def test_probe_finds_fused_padded_tied_and_transposed_layouts(loaded):
@@ -156,6 +159,30 @@ def test_policy_fields_single_and_mixed():
     # choices listed by index, whichever finished first (the engine records them as they finish)
     later_first = policy_fields({1: [("5", 0, 2)], 0: [("4", 0, 1), ("5", 1, 9)]}, "5")
     assert [[s["end"] for s in c] for c in later_first["policy_version_spans"]] == [[1, 9], [2]]
+
+
+def test_a_tensor_kept_in_another_dtype_stages_through_torch_beside_the_gathered_ones():
+    """An engine that keeps a norm in fp32 under a bf16 checkpoint: that tensor cannot be gathered
+    as bits, so its decoded batch goes tensor by tensor (the others still gathered, the norm
+    through torch); the version lands exactly and reverts exactly."""
+    model = FusedModel()
+    model.norm = torch.nn.Parameter(torch.zeros(4, dtype=torch.float32), requires_grad=False)
+    ckpt, model, _, weights = _load(model, "test-fp32-norm")
+    c0 = genesis_commitment(state_fingerprint_of(ckpt))
+    weights.adopt(version=0, commitment=c0, state_digest=state_digest(ckpt))
+    new = _changed(ckpt, seed=2, fraction=0.2)
+    delta = _delta(ckpt, new, c0)
+    batches, _ = delta.decode_batches([n for n, e in delta.header.tensors.items() if e.encoding != "same"])
+    assert [b.names for b in batches] == [["k.weight", "norm.weight", "q.weight"]]  # a batch mixing both
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    staged = weights.stage(delta)
+    assert {p.name: p.target.dtype for p in staged.patches if p.name in ("k.weight", "norm.weight")} == \
+        {"k.weight": torch.int16, "norm.weight": torch.float32}
+    weights.write(staged)
+    assert weights.audit(staged) == []
+    assert weights.live_state_digest() == state_digest(new) == weights.held.state_digest
+    weights.revert(staged)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
 def test_failure_in_the_middle_of_a_write_is_rolled_back(loaded):
