@@ -280,8 +280,8 @@ def test_gathered_updates_are_the_gather_the_rule_and_the_fingerprint_change(vie
     staged = gather_updates(items)
     assert len(staged) == len(items)
     width = 8 * items[0].where.target.element_size()
-    for (where, pos, bits, mode), before, got in zip(items, befores, staged):
-        param, runs, numel = where.target, where.runs, where.numel
+    for (held_in, pos, bits, mode), before, got in zip(items, befores, staged):
+        param, runs, numel = held_in.target, held_in.runs, held_in.numel
         where = torch.full((numel,), -1, dtype=torch.int64)  # each element's place in the parameter
         for start, length, at in runs.tolist():
             where[start:start + length] = torch.arange(at, at + length)
