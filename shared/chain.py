@@ -283,7 +283,10 @@ class Chain:
         Refuses (``conflict``), before writing anything, when ``latest`` is already past this
         version or this version's manifest exists with another commitment: a second writer, or an
         unfinished publish that ``deltasync fsck --repair`` clears. A retry of this very publish
-        (same commitment) finds its own manifest or ``latest`` and completes.
+        (same commitment) finds its own manifest or ``latest`` and completes; where the manifest
+        is there, so is every object it names, and those are kept: a new encoding of the same
+        version need not have the same bytes (safetensors writes its metadata in no fixed order),
+        and the manifest holds the first one's digests.
         """
         def conflict(why: str) -> DeltaError:
             return DeltaError("conflict", f"{self.store.uri}: {why}, cannot publish v{header.version} (another "
@@ -295,20 +298,22 @@ class Chain:
                 return self.manifest(header.version, refresh=True)  # an earlier attempt got this far
             raise conflict(f"latest is already v{latest.version}")
         key = manifest_key(header.version)
-        if self.store.exists(key) and self.manifest(header.version, refresh=True).commitment != header.commitment:
+        m = self.manifest(header.version, refresh=True) if self.store.exists(key) else None
+        if m is not None and m.commitment != header.commitment:
             raise conflict(f"v{header.version} already exists with other contents")
-        for obj_key, data in objects.items():
-            self.store.put(obj_key, data)
-        m = Manifest(version=header.version, commitment=header.commitment,
-                     base_commitment=header.base_commitment,
-                     state_fingerprint=header.state_fingerprint, state_digest=header.state_digest,
-                     created=time.time(), objects=refs,
-                     changed=changed, numel=numel or header.numel, dense_bytes=dense_bytes or header.dense_bytes)
-        if not self.store.create(key, m.model_dump_json(indent=1).encode()):
-            held = self.manifest(m.version, refresh=True)
-            if held.commitment != m.commitment:
-                raise conflict(f"v{m.version} appeared with other contents meanwhile")
-            m = held
+        if m is None:
+            for obj_key, data in objects.items():
+                self.store.put(obj_key, data)
+            m = Manifest(version=header.version, commitment=header.commitment,
+                         base_commitment=header.base_commitment,
+                         state_fingerprint=header.state_fingerprint, state_digest=header.state_digest,
+                         created=time.time(), objects=refs, changed=changed, numel=numel or header.numel,
+                         dense_bytes=dense_bytes or header.dense_bytes)
+            if not self.store.create(key, m.model_dump_json(indent=1).encode()):
+                held = self.manifest(m.version, refresh=True)
+                if held.commitment != m.commitment:
+                    raise conflict(f"v{m.version} appeared with other contents meanwhile")
+                m = held
         self._manifests[m.version] = m
         self.store.put(LATEST, Latest(version=m.version, commitment=m.commitment).model_dump_json().encode())
         return m

@@ -98,6 +98,25 @@ def test_concurrent_publish_of_one_version_is_a_conflict(tmp_path):
     assert chain.manifest(2, refresh=True).commitment == m.commitment  # untouched
 
 
+def test_completing_an_unfinished_publish_keeps_the_objects_its_manifest_names(tmp_path):
+    """A publish that wrote its manifest but not ``latest``, completed by a new encoding of the same
+    version (same commitment, other bytes: safetensors writes its metadata in no fixed order):
+    the objects the manifest names stay as they were, ``latest`` moves, and the version rebuilds."""
+    states, _ = publish_chain(str(tmp_path), 2)
+    store = open_store(tmp_path)
+    chain = Chain(store)
+    m = chain.manifest(2)
+    store.put(LATEST, Latest(version=1, commitment=chain.manifest(1).commitment).model_dump_json().encode())
+    key = m.object("delta").key
+    first = store.get(key)
+    from shared.codec import read_header
+    header = read_header(store.download(key, tmp_path / "d.safetensors"))
+    assert chain.publish(header, {key: b"another encoding of v2"}, m.objects).commitment == m.commitment
+    assert store.get(key) == first
+    state, rebuilt = reconstruct(Chain(open_store(tmp_path)))
+    assert rebuilt.version == 2 and same_bits(state, states[2])
+
+
 # ---------------------------------------------------------------------------------------- publisher
 
 
