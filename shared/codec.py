@@ -498,12 +498,12 @@ def fingerprint_after(new: torch.Tensor, found: EncodedTensor | Changes | DenseC
     return tensor_fingerprint(new, threads=False)
 
 
-def fingerprints_after(batch: ChangeBatch, base: Mapping[str, Fingerprint]) -> dict[str, str]:
-    """The new fingerprints (hex) of the tensors of ``batch``, from their bases' fingerprints
-    ``base[name]``, in one kernel call: a call per tensor cost ~30 us, most of what a tensor with
-    few changes costs."""
+def fingerprints_after(batch: ChangeBatch, base: Mapping[str, str]) -> dict[str, str]:
+    """The new fingerprints of the tensors of ``batch`` from their bases' ``base[name]``, all as
+    hex (as entries carry them), in one kernel call: a call per tensor cost ~30 us, most of what
+    a tensor with few changes costs."""
     lanes = delta_lanes(batch.positions, batch.new ^ batch.xor, batch.new, batch.starts, batch.new.itemsize * 8)
-    return dict(zip(batch.names, add_lanes([base[n].hex() for n in batch.names], lanes)))
+    return dict(zip(batch.names, add_lanes([base[n] for n in batch.names], lanes)))
 
 
 def _encode_found(name: str, new: torch.Tensor, found: EncodedTensor | Changes | DenseChange,
@@ -697,7 +697,7 @@ def encode_state(base: Mapping[str, torch.Tensor],
         for batch in change_batches({n: found[n][1] for n in members}, {}):
             entries = [found[n][0] for n in batch.names]
             if base_fingerprints is not None:  # the new fingerprints from the bases'
-                fingerprints = fingerprints_after(batch, base_fingerprints)
+                fingerprints = fingerprints_after(batch, {n: base_fingerprints[n].hex() for n in batch.names})
                 for n, e in zip(batch.names, entries):
                     e.fingerprint = fingerprints[n]
             coded.update(zip(batch.names, encode_changes_many(batch, entries)))
@@ -779,14 +779,14 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
 def anchor_header(state: Mapping[str, torch.Tensor], *, version: int,
                   base_version: int | None = None, base_commitment: str = "",
                   via: list[str] = (), digests: Mapping[str, str] | None = None,
-                  fingerprints: Mapping[str, Fingerprint] | None = None) -> Header:
+                  fingerprints: Mapping[str, str] | None = None) -> Header:
     """Header of a full state. The genesis anchor has base commitment ""; a later anchor
     restates version v of an existing chain and so carries that chain's commitment.
-    ``digests``/``fingerprints``: the tensors' own, when the caller holds them already."""
+    ``digests``/``fingerprints`` (hex): the tensors' own, when the caller holds them already."""
     digests = digests or {n: tensor_digest(t) for n, t in state.items()}
-    fps = fingerprints or fingerprints_of(state)
+    fps = fingerprints or {n: fp.hex() for n, fp in fingerprints_of(state).items()}
     entries = {n: TensorEntry(dtype=dtype_name(t.dtype), shape=list(t.shape), digest=digests[n],
-                              fingerprint=fps[n].hex(), changed=t.numel(), encoding="full")
+                              fingerprint=fps[n], changed=t.numel(), encoding="full")
                for n, t in sorted(state.items())}
     sf = entries_fingerprint(entries)
     return Header(kind="anchor", version=version, base_version=base_version,

@@ -261,7 +261,9 @@ class DeltaPublisher:
         self._device_snapshot: dict[str, torch.Tensor] = {}  # name -> bf16 copy where the weights live
         self._spare: dict[str, torch.Tensor] = {}  # name -> a second snapshot buffer, while the tensor is busy
         self._digests = {n: tensor_digest(t) for n, t in self._snapshot.items()}
-        self._fingerprints = fingerprints_of(self._snapshot)  # then kept up to date in O(changes)
+        # hex, as entries carry them (a conversion each way per touched tensor cost ~3 us);
+        # then kept up to date in O(changes)
+        self._fingerprints = {n: fp.hex() for n, fp in fingerprints_of(self._snapshot).items()}
         self._templates: dict[str, TensorEntry] = {}  # see _entry
         self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
         self._since_anchor_bytes, self._since_anchor = 0, 0
@@ -429,7 +431,7 @@ class DeltaPublisher:
 
     def _unchanged(self, name: str) -> EncodedTensor:
         """A tensor's entry when nothing in it changed: the base's digest and fingerprint."""
-        entry = tensor_entry(self._snapshot[name], self._digests[name], self._fingerprints[name].hex())
+        entry = tensor_entry(self._snapshot[name], self._digests[name], self._fingerprints[name])
         return EncodedTensor(entry, {})
 
     def _copy_in(self, name: str, live: torch.Tensor) -> _Copied:
@@ -480,7 +482,7 @@ class DeltaPublisher:
 
         def one(n: str) -> EncodedTensor:
             return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact,
-                                base_fingerprint=self._fingerprints[n], digest=self._new_digest())
+                                base_fingerprint=Fingerprint.from_hex(self._fingerprints[n]), digest=self._new_digest())
 
         def batch(members: list[str]) -> list[EncodedTensor]:
             """The sparse changes coded in one call per element width (unless ``compact``, which
@@ -506,8 +508,7 @@ class DeltaPublisher:
                     self._digests[n] = ""
                 if e.entry.digest:  # (an attribute set on a pydantic model costs ~2 us)
                     e.entry.digest = ""
-        self._fingerprints.update({n: Fingerprint.from_hex(e.entry.fingerprint) for n, e in encoded.items()
-                                   if e.entry.encoding != "same"})
+        self._fingerprints.update({n: e.entry.fingerprint for n, e in encoded.items() if e.entry.encoding != "same"})
         version, base_version, report = job.version, job.version - 1, job.report
         header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                       base_commitment=self._commitment, base_state_digest=self._state_digest)
@@ -585,7 +586,7 @@ class DeltaPublisher:
     def _encode_where(self, name: str, live: torch.Tensor) -> EncodedTensor:
         """One tensor's change, found on the device that holds it (the host snapshot follows)."""
         host = self._snapshot[name]
-        base_fp = self._fingerprints[name]
+        base_fp = Fingerprint.from_hex(self._fingerprints[name])
         if self.detect == "auto" and live.device.type == "cpu":
             return encode_tensor(name, host, self._cast(live), update=True, threads=False, compact=self.compact,
                                  base_fingerprint=base_fp, digest=self._new_digest())
@@ -617,7 +618,8 @@ class DeltaPublisher:
         new_at = old_at ^ xor
         classed = encode_positions_classed(pos, hv, host.dtype) if self.compact else None  # on the base
         hv[pos] = new_at
-        fp = self._fingerprints[name] + fingerprint_delta(pos, old_at, new_at, host.element_size() * 8)
+        fp = Fingerprint.from_hex(self._fingerprints[name]) + fingerprint_delta(pos, old_at, new_at,
+                                                                                 host.element_size() * 8)
         return encode_changes(self._entry(name).model_copy(update={"fingerprint": fp.hex()}), name, pos, xor,
                               lambda k=None: new_at[:k],
                               None if classed is None else lambda: classed)
