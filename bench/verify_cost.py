@@ -25,8 +25,9 @@ The trainer's side of the same changes, after the replica's: ``DeltaPublisher``'
 **encoder thread** (everything after change detection: fingerprints, digests, entropy coding,
 the file) per version, with blake3 digests every version and only at anchors (``digests=``),
 a publisher per fraction, its state flipping between the base and the changed state, the
-publishers taking turns. Target (issue 10): proportional to
-the change, read here as the same 1/4 at 0.1% against 1%.
+publishers taking turns, with its split (``PublishReport.encoder_parts``: resolve, code, header,
+file, anchor; the rest is bookkeeping). Target (issue 10): proportional to the change, read here
+as the same 1/4 at 0.1% against 1%.
 JSON: ``bench/results/verify_cost.json`` (``--name``).
 
     .venv/bin/python -m bench.verify_cost [--hidden 768 --layers 7 ...] [--reps 8]
@@ -148,6 +149,7 @@ def trainer_costs(base: dict, news: dict[float, dict], reps: int) -> dict[float,
     for mode in DIGESTS:
         lives = {f: {n: t.clone() for n, t in base.items()} for f in news}
         encoder: dict[float, list[float]] = {f: [] for f in news}
+        parts: dict[float, list[dict[str, float]]] = {f: [] for f in news}  # the encoder's own split
         hold: dict[float, list[float]] = {f: [] for f in news}
         with ExitStack() as stack:
             pubs = {f: stack.enter_context(DeltaPublisher(
@@ -163,8 +165,11 @@ def trainer_costs(base: dict, news: dict[float, dict], reps: int) -> dict[float,
                     report.wait(600)
                     assert report.kind == "delta", report.kind
                     encoder[f].append(report.encoder_s)
+                    parts[f].append(report.encoder_parts)
         for f in news:  # the first version also loads the encoders' kernels
-            out[f][mode] = {"encoder_s": statistics.median(encoder[f][1:]), "publish_s": statistics.median(hold[f][1:])}
+            out[f][mode] = {"encoder_s": statistics.median(encoder[f][1:]), "publish_s": statistics.median(hold[f][1:]),
+                            "encoder_parts_median_s": {k: statistics.median(p[k] for p in parts[f][1:])
+                                                       for k in parts[f][1]}}
     return out
 
 
@@ -226,6 +231,9 @@ def main() -> None:
     for fraction, t in trainer.items():
         print(f"{runs[fraction]['changed'] / runs[fraction]['numel']:>10.3%}" + "".join(
             f"{m['encoder_s'] * 1e3:>18.1f} ({m['publish_s'] * 1e3:>6.1f})" for m in t.values()))
+        for mode, m in t.items():
+            print(f"{'':>14}digests={mode}: " + ", ".join(
+                f"{k[:-2]} {v * 1e3:.2f}" for k, v in m["encoder_parts_median_s"].items()))
     lo, hi = runs[min(runs)], runs[max(runs)]
     scaling = lo["median_s"]["stage"] / hi["median_s"]["stage"]
     trainer_scaling = {mode: trainer[min(runs)][mode]["encoder_s"] / trainer[max(runs)][mode]["encoder_s"]

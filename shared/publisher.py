@@ -74,7 +74,7 @@ from .stores import Store, open_store
 
 log = logging.getLogger("deltasync.publisher")
 _ENCODED_FIELDS = frozenset({"kind", "changed", "int32_bf16_bytes", "payload_bytes", "commitment", "state_fingerprint",
-                             "state_digest", "encoder_s"})
+                             "state_digest", "encoder_s", "encoder_parts"})
 # The default copy_from (DeltaPublisher): a tensor that changed in this share of its elements or
 # more last version is "busy", and publish() copies it instead of scanning it. At 26M parameters,
 # 5-8% changed, a scan that records many changes (or a dense change's XOR pass) held the training
@@ -96,6 +96,13 @@ class PublishReport:
     # how long the encoder thread took, off the training loop: fingerprints, digests of the
     # touched tensors (digests="every"), entropy coding, the delta file (and an anchor when due)
     encoder_s: float = 0.0
+    # encoder_s split, so that a slow encoder says where (wall seconds; the rest is bookkeeping):
+    # resolve_s: changes of the tensors publish() copied, found from their old bits; code_s: new
+    # fingerprints, blake3 digests of the touched tensors (digests="every") and entropy coding
+    # (several threads for a large change); header_s: the entries, state fingerprint, commitment
+    # and payload digest (and with digests="every", digests unknown since the last anchor);
+    # file_s: the delta's bytes; anchor_s: the anchor, when one is due
+    encoder_parts: dict[str, float] = field(default_factory=dict)
     upload_s: float = 0.0
     notify_s: float = 0.0
     commitment: str = ""
@@ -477,6 +484,7 @@ class DeltaPublisher:
         t0 = time.perf_counter()
         names = list(job.found)
         self._resolve_copies(job.found, job.copyable)
+        t_resolved = time.perf_counter()
         changed = sum(_changed(f) for f in job.found.values())
         job.report.changed, job.report.int32_bf16_bytes = changed, 6 * changed  # set, not read: that waits for this
 
@@ -497,6 +505,7 @@ class DeltaPublisher:
 
         work = [_encode_work(job.found[n], self._snapshot[n]) for n in names]
         encoded = dict(zip(names, map_batches(batch, names, work, serial_below=THREADS_FROM_CHANGES)))
+        t_coded = time.perf_counter()
         if self.digests == "every":
             for n, e in encoded.items():
                 if not e.entry.digest:  # unknown since versions published with digests="anchors"
@@ -512,16 +521,20 @@ class DeltaPublisher:
         version, base_version, report = job.version, job.version - 1, job.report
         header, tensors = build_delta(encoded, version=version, base_version=base_version,
                                       base_commitment=self._commitment, base_state_digest=self._state_digest)
+        t_built = time.perf_counter()
         delta = save_delta(header, tensors)
+        t_saved = time.perf_counter()
         report.payload_bytes, report.commitment = len(delta), header.commitment
         objects: dict[str, bytes | Path] = {delta_key(base_version, version): delta}
         refs = [ref_for("delta", header, delta_key(base_version, version), delta)]
         self._since_anchor_bytes += len(delta)
         self._since_anchor += 1
-        tmp = None
+        tmp, anchor_s = None, 0.0
         if self._force_anchor or self.policy.wants_anchor(self._since_anchor_bytes, self._dense_bytes,
                                                           self._since_anchor):
+            a = time.perf_counter()
             tmp, path, aheader = self._write_anchor(version, base_version, self._commitment)
+            anchor_s = time.perf_counter() - a
             assert aheader.commitment == header.commitment
             objects[anchor_key(version)] = path
             refs.append(ref_for("anchor", aheader, anchor_key(version), path))
@@ -532,6 +545,9 @@ class DeltaPublisher:
         self._state_digest = header.state_digest
         report.state_fingerprint, report.state_digest = header.state_fingerprint, header.state_digest
         report.encoder_s = time.perf_counter() - t0
+        report.encoder_parts = {"resolve_s": t_resolved - t0, "code_s": t_coded - t_resolved,
+                                "header_s": t_built - t_coded,
+                                "file_s": t_saved - t_built, "anchor_s": anchor_s}
         return _Job(header, objects, refs, report, tmp)
 
     def _resolve_copies(self, found: dict[str, EncodedTensor | Changes | DenseChange | _Copied],

@@ -57,6 +57,21 @@ def test_every_version_rebuilds_exactly(tmp_path):
     assert [r.kind for r in pub.reports][:6] == ["anchor", "delta", "delta", "delta", "delta+anchor", "delta"]
 
 
+def test_the_encoder_says_where_its_time_went(tmp_path):
+    """Each delta's ``encoder_parts`` splits its ``encoder_s``: its parts are all there, none
+    negative, together no more than the whole, and an anchor's share only where one was written;
+    the genesis anchor is not the encoder's."""
+    _, pub = publish_chain(str(tmp_path), 5)
+    first, *deltas = pub.reports
+    assert first.kind == "anchor" and first.encoder_parts == {}
+    for r in deltas:
+        parts = r.encoder_parts
+        assert set(parts) == {"resolve_s", "code_s", "header_s", "file_s", "anchor_s"}, r.version
+        assert all(v >= 0 for v in parts.values()) and 0 < sum(parts.values()) <= r.encoder_s, (r.version, parts)
+        assert (parts["anchor_s"] > 0) == (r.kind == "delta+anchor"), (r.version, r.kind, parts)
+    assert [r.kind for r in deltas] == ["delta", "delta", "delta", "delta+anchor", "delta"]
+
+
 def test_digests_only_at_anchors(tmp_path, monkeypatch):
     """``digests="anchors"``: a delta names fingerprints alone and the publisher hashes no tensor
     whole for it; an anchor hashes the tensors touched since they were last hashed. Every version

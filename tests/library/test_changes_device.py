@@ -151,7 +151,7 @@ def assert_same_chains(tmp_path, pubs: dict[str, DeltaPublisher], versions: int)
         a, b = (stores[d].get(k) for d in ("numba", "torch"))
         assert DeltaFile.from_bytes(a).header == DeltaFile.from_bytes(b).header, k
         assert same_bits(safetensors.torch.load(a), safetensors.torch.load(b)), k
-    timings = {"encode_s": 0, "encoder_s": 0, "upload_s": 0, "notify_s": 0}
+    timings = {"encode_s": 0, "encoder_s": 0, "encoder_parts": {}, "upload_s": 0, "notify_s": 0}
     assert [r.as_dict() | timings for r in pubs["numba"].reports] == [r.as_dict() | timings for r in pubs["torch"].reports]
     return Chain(stores["torch"])
 
