@@ -546,8 +546,7 @@ class DeltaPublisher:
         report.state_fingerprint, report.state_digest = header.state_fingerprint, header.state_digest
         report.encoder_s = time.perf_counter() - t0
         report.encoder_parts = {"resolve_s": t_resolved - t0, "code_s": t_coded - t_resolved,
-                                "header_s": t_built - t_coded,
-                                "file_s": t_saved - t_built, "anchor_s": anchor_s}
+                                "header_s": t_built - t_coded, "file_s": t_saved - t_built, "anchor_s": anchor_s}
         return _Job(header, objects, refs, report, tmp)
 
     def _resolve_copies(self, found: dict[str, EncodedTensor | Changes | DenseChange | _Copied],
