@@ -173,6 +173,11 @@ def trainer_costs(base: dict, news: dict[float, dict], reps: int) -> dict[float,
     return out
 
 
+def _ms_parts(parts: dict[str, float]) -> str:
+    """A split of seconds (``decode_s``, ...) as "decode 1.23, ..." in ms."""
+    return ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in parts.items())
+
+
 def main() -> None:
     from bench.common import add_model_args, write_json
 
@@ -225,15 +230,14 @@ def main() -> None:
         r["total_x_floor"] = total / m["floor"]
         cells = "".join(f"{m[k] * 1e3:>9.2f} ({m[k] / m['floor']:>4.1f})" for k in STEPS)
         print(f"{r['changed'] / r['numel']:>10.3%}{'':>4}{cells}{r['total_x_floor']:>14.2f}")
-        print(f"{'':>14}stage = " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in r["stage_parts_median_s"].items()))
+        print(f"{'':>14}stage = " + _ms_parts(r["stage_parts_median_s"]))
     print("\ntrainer: the publisher's encoder thread per version, ms (publish() holding the loop, ms)")
     print(f"{'changed':>10}" + "".join(f"{'digests=' + mode:>28}" for mode in trainer[fractions[0]]))
     for fraction, t in trainer.items():
         print(f"{runs[fraction]['changed'] / runs[fraction]['numel']:>10.3%}" + "".join(
             f"{m['encoder_s'] * 1e3:>18.1f} ({m['publish_s'] * 1e3:>6.1f})" for m in t.values()))
         for mode, m in t.items():
-            print(f"{'':>14}digests={mode}: " + ", ".join(
-                f"{k[:-2]} {v * 1e3:.2f}" for k, v in m["encoder_parts_median_s"].items()))
+            print(f"{'':>14}digests={mode}: " + _ms_parts(m["encoder_parts_median_s"]))
     lo, hi = runs[min(runs)], runs[max(runs)]
     scaling = lo["median_s"]["stage"] / hi["median_s"]["stage"]
     trainer_scaling = {mode: trainer[min(runs)][mode]["encoder_s"] / trainer[max(runs)][mode]["encoder_s"]
