@@ -7,7 +7,8 @@ Two kinds of patch, both with ``apply()`` and ``revert()``:
   more ``index_copy_``. This is what a server wants inside a pause: all the work before it.
 * :class:`InPlacePatch` XORs or adds the stored bits in place in one pass on CPU tensors: no
   gather and no copy of old values, since either is undone by itself (XOR) or its negation
-  (add). It remembers whether it is applied, so it is never applied twice.
+  (add); every tensor of a decoded batch in one kernel call. It remembers whether it is
+  applied, so it is never applied twice.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from .changes import INT_VIEW, THREADS_FROM_CHANGES, map_balanced, map_batches
-from .codec import DeltaFile, Header, TensorChange, TensorEntry, holds
+from .codec import DecodedBatch, DeltaFile, Header, TensorChange, TensorEntry, holds
 from .digest import TORCH_DTYPES
 from .errors import DeltaError
 
@@ -49,20 +50,45 @@ class Patch:
         self.applied = False
 
 
+_RULES = {"xor": 0, "add": 1}  # shared.kernels.scatter_many's rules
+
+
 class InPlacePatch:
-    def __init__(self, name: str, mode: str, target: torch.Tensor, positions: torch.Tensor,
-                 bits: torch.Tensor):
-        self.name, self.mode, self.target, self.positions, self.bits = name, mode, target, positions, bits
+    def __init__(self, names: Sequence[str], modes: Sequence[str], targets: Sequence[torch.Tensor],
+                 positions: torch.Tensor, bits: torch.Tensor, bounds: Sequence[int] | np.ndarray,
+                 members: Sequence[int] | None = None):
+        """Tensor ``k`` (``names[k]``, flat integer view ``targets[k]`` of live CPU storage)
+        changes at ``positions[bounds[k]:bounds[k + 1]]`` by ``bits`` there under ``modes[k]``
+        (joined, as :meth:`shared.codec.DeltaFile.decode_batches` gives them); ``members``: the
+        tensors of those to write (default all)."""
+        members = range(len(names)) if members is None else members
+        if not positions.is_cpu or positions.dtype is not torch.int64 or not positions.is_contiguous() or \
+                not bits.is_cpu or not bits.is_contiguous() or bits.shape != positions.shape:
+            raise ValueError("contiguous int64 positions on the CPU and one value each")
+        rows = []
+        for k in members:
+            t = targets[k]
+            if not t.is_cpu or t.dim() != 1 or not t.is_contiguous() or t.element_size() != bits.element_size() \
+                    or modes[k] not in _RULES:
+                raise ValueError(f"{names[k]}: a flat CPU target of {bits.dtype} bits, changed by XOR or add")
+            rows.append((t.data_ptr(), t.numel(), _RULES[modes[k]], bounds[k], bounds[k + 1]))
+        self.names = [names[k] for k in members]
+        self.positions, self.bits = positions, bits
+        self._targets = [targets[k] for k in members]  # kept alive: the table holds their addresses
+        self._table = np.array(rows, dtype=np.int64).reshape(-1, 5)
         self.applied = False
 
-    def _run(self, sign: int) -> None:
-        from .kernels import add_scatter, xor_scatter
+    @classmethod
+    def of(cls, change: TensorChange, target: torch.Tensor) -> InPlacePatch:
+        return cls([change.name], [change.mode], [target], change.positions, change.bits, [0, change.positions.numel()])
 
-        t, p, b = self.target.numpy(), self.positions.numpy(), self.bits.numpy()
-        if self.mode == "xor":
-            xor_scatter(t, p, b, 0)
-        else:
-            add_scatter(t, p, b, sign)
+    def _run(self, sign: int) -> None:
+        from .kernels import scatter_many
+
+        bits = self.bits.numpy()
+        bad = scatter_many(self._table, bits[:0], self.positions.numpy(), bits, sign)
+        if bad >= 0:
+            raise ValueError(f"{self.names[bad]}: positions outside its {self._table[bad, 1]} elements")
 
     def apply(self) -> None:
         if not self.applied:
@@ -117,7 +143,7 @@ def make_patch(change: TensorChange, target: torch.Tensor, *,
     now and the write is a plain copy."""
     if (in_place and change.mode in ("xor", "add") and change.positions is not None
             and target.device.type == "cpu"):
-        return InPlacePatch(change.name, change.mode, target, change.positions, change.bits)
+        return InPlacePatch.of(change, target)
     if change.positions is None:
         old = target.clone()
     else:
@@ -172,12 +198,31 @@ def prepare(delta: DeltaFile, target: Mapping[str, torch.Tensor], *,
     names = [n for n, e in delta.header.tensors.items() if e.encoding != "same"]
     delta.verify()  # once, before the threads decode
 
-    def batch(members: list[str]) -> list[Patch | InPlacePatch]:
-        return [make_patch(c, flat_bits(target[c.name]), in_place=in_place)
-                for c in delta.decode(members, base=target.__getitem__)]
+    def batch(members: list[str]) -> list[Patch | InPlacePatch | None]:
+        batches, single = delta.decode_batches(members, base=target.__getitem__)
+        patches = {n: make_patch(c, flat_bits(target[n]), in_place=in_place) for n, c in single.items()}
+        for b in batches:
+            patches.update(_batch_patches(b, target, in_place))
+        return [patches.get(n) for n in members]
 
-    return map_batches(batch, names, [delta.header.tensors[n].changed for n in names],
-                       serial_below=THREADS_FROM_CHANGES)
+    return [p for p in map_batches(batch, names, [delta.header.tensors[n].changed for n in names],
+                                   serial_below=THREADS_FROM_CHANGES) if p is not None]
+
+
+def _batch_patches(batch: DecodedBatch, target: Mapping[str, torch.Tensor],
+                   in_place: bool) -> dict[str, Patch | InPlacePatch | None]:
+    """A decoded batch's patches by name: its XOR and add changes on CPU tensors in one
+    :class:`InPlacePatch` (under its first name, None under the others), the rest one each."""
+    flats = [flat_bits(target[n]) for n in batch.names]
+    fused = [k for k, (m, t) in enumerate(zip(batch.modes, flats)) if in_place and m in _RULES and t.is_cpu]
+    out: dict[str, Patch | InPlacePatch | None] = {}
+    if fused:
+        out = dict.fromkeys((batch.names[k] for k in fused), None)
+        out[batch.names[fused[0]]] = InPlacePatch(batch.names, batch.modes, flats, batch.positions, batch.bits,
+                                                  batch.bounds, fused)
+    if len(fused) < len(batch.names):
+        out.update((c.name, make_patch(c, flat)) for c, flat in zip(batch.changes(), flats) if c.name not in out)
+    return out
 
 
 class _Writes:
@@ -261,7 +306,7 @@ def apply_delta(delta: DeltaFile, target: Mapping[str, torch.Tensor] | torch.nn.
     state = module_state(target) if isinstance(target, torch.nn.Module) else target
     check_base(delta.header, version=version, commitment=commitment, state_digest=state_digest)
     patches = prepare(delta, state)
-    touched = {p.name: delta.header.tensors[p.name] for p in patches} if verify else None
+    touched = {n: e for n, e in delta.header.tensors.items() if e.encoding != "same"} if verify else None
     with torch.no_grad():
         write_all(patches, touched, state)
     return delta.header

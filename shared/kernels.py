@@ -406,10 +406,28 @@ def join_planes(planes, itemsize, out):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def add_scatter(target, positions, bits, sign):  # pragma: no cover
-    """``target[positions] += sign * bits``, wrapping like the integers of the bit patterns."""
-    for i in range(positions.shape[0]):
-        target[positions[i]] += sign * bits[i]
+def scatter_many(table, like, positions, bits, sign):  # pragma: no cover
+    """In place, for each tensor ``k`` at ``table[k]`` = (address of its elements, their count,
+    its rule: 0 XOR, 1 add times ``sign``, wrapping like the integers of the bit patterns, and
+    the span of ``positions`` and ``bits`` it owns: first, end), its bits at its positions;
+    elements of ``like``'s type. Returns -1, or, with nothing written, the first ``k`` with a
+    position outside its tensor. A library apply writes a decoded batch in one call: a call per
+    tensor cost ~15-20 us of Python, more than 0.1% of most tensors takes to write."""
+    for k in range(table.shape[0]):
+        n, bad = np.uint64(table[k, 1]), False
+        for j in range(table[k, 3], table[k, 4]):
+            bad |= np.uint64(positions[j]) >= n
+        if bad:
+            return k
+    for k in range(table.shape[0]):
+        target = numba.carray(address_as(table[k, 0], like), table[k, 1])
+        if table[k, 2] == 0:
+            for j in range(table[k, 3], table[k, 4]):
+                target[positions[j]] ^= bits[j]
+        else:
+            for j in range(table[k, 3], table[k, 4]):
+                target[positions[j]] += sign * bits[j]
+    return -1
 
 
 # --------------------------------------------------------------------------- entropy coding

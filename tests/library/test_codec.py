@@ -664,3 +664,40 @@ def test_read_back_is_bit_for_bit_per_patch(patches, damaged, seed):
         outside = apply_module.Patch("t", p.target, p.positions.clone(), p.new, p.old)
         outside.positions[-1] = p.target.numel()
         assert apply_module.landed([*made, outside]) == [True] * len(made) + [False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("seed", range(4))
+def test_in_place_patch_writes_its_members_of_a_batch_and_reverts_them_exactly(dtype, seed):
+    """One InPlacePatch writes a joined batch (XOR and wrapping add) into several tensors, the
+    members it is given only; revert gives back the very bits; a position outside a tensor
+    refuses the whole patch before any write."""
+    g = torch.Generator().manual_seed(seed)
+    iv = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
+    sizes, modes = [97, 1, 300, 64], ["xor", "add", "set", "add"]
+    targets = [torch.randn(n, generator=g).to(dtype).view(iv) for n in sizes]
+    before = [t.clone() for t in targets]
+    positions = [torch.randperm(n, generator=g)[:max(1, n // 3)].sort().values for n in sizes]
+    bits = [torch.randint(-2**15, 2**15, (p.numel(),), generator=g).to(iv) for p in positions]
+    bits[1][0] = torch.iinfo(iv).max  # wraps
+    bounds = np.cumsum([0] + [p.numel() for p in positions])
+    members = [0, 1, 3]  # "set" is not written in place
+    patch = apply_module.InPlacePatch([f"t{k}" for k in range(4)], modes, targets, torch.cat(positions),
+                                      torch.cat(bits), bounds, members)
+    assert patch.names == ["t0", "t1", "t3"]
+    patch.apply()
+    patch.apply()  # once only
+    for k, (t, b, p, v) in enumerate(zip(targets, before, positions, bits)):
+        want = b.clone()
+        if k in members:
+            want[p] = want[p] ^ v if modes[k] == "xor" else (want[p].long() + v.long()).to(iv)
+        assert torch.equal(t, want), k
+    patch.revert()
+    assert all(torch.equal(t, b) for t, b in zip(targets, before))
+    outside = torch.cat(positions)
+    outside[bounds[4] - 1] = sizes[3]
+    bad = apply_module.InPlacePatch([f"t{k}" for k in range(4)], modes, targets, outside, torch.cat(bits), bounds,
+                                    members)
+    with pytest.raises(ValueError, match="t3: positions outside its 64 elements"):
+        bad.apply()
+    assert not bad.applied and all(torch.equal(t, b) for t, b in zip(targets, before))
