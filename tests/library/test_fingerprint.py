@@ -579,3 +579,35 @@ def test_formats_1_and_2_are_refused_by_name_and_fingerprints_are_checked(tmp_pa
     with pytest.raises(DeltaError, match="fingerprints do not add up") as e:
         DeltaFile.open(path)
     assert e.value.reason == "corrupt"
+
+
+@pytest.mark.parametrize("field, text, reason", [
+    ("fingerprint", "AB" * 32, "fingerprints do not add up"),  # upper case
+    ("fingerprint", "ab" * 31 + "a", "fingerprints do not add up"),  # 63 digits
+    ("fingerprint", "ab" * 32 + "ab", "fingerprints do not add up"),  # 66 digits
+    ("digest", "0g" * 32, "digests do not add up"),
+    ("digest", "ab" * 31, "digests do not add up")])
+def test_header_refuses_a_malformed_hash_even_where_its_sums_are_recomputed(tmp_path, field, text, reason):
+    """Every tensor's digest ("" or 64 lowercase hex digits) and fingerprint (64 of them) is
+    checked, not only what they add up to: a header forged with its state digest, state
+    fingerprint and commitment recomputed over a malformed entry is still refused."""
+    import blake3
+    import safetensors.torch
+
+    from shared.codec import DeltaFile, anchor_header, chain_commitment, entries_digest, entries_fingerprint
+    from shared.errors import DeltaError
+
+    state = {"w": torch.arange(12, dtype=torch.float32).bfloat16(), "v": torch.ones(3).bfloat16()}
+    header = anchor_header(state, version=0)
+    setattr(header.tensors["w"], field, text)
+    header.state_digest = entries_digest(header.tensors)
+    header.state_fingerprint = entries_fingerprint(header.tensors)
+    header.commitment = chain_commitment(header.base_commitment, [header.state_fingerprint])
+    body = header.model_dump_json(exclude_defaults=True)
+    text = f'{{"format_version":3,{body[1:]}'
+    path = tmp_path / "a.safetensors"
+    safetensors.torch.save_file(state, str(path), metadata={
+        "format": "deltasync", "deltasync": text, "deltasync_blake3": blake3.blake3(text.encode()).hexdigest()})
+    with pytest.raises(DeltaError, match=reason) as e:
+        DeltaFile.open(path)
+    assert e.value.reason == "corrupt"
