@@ -412,7 +412,8 @@ def scatter_many(table, like, positions, bits, sign):  # pragma: no cover
     the span of ``positions`` and ``bits`` it owns: first, end), its bits at its positions;
     elements of ``like``'s type. Returns -1, or, with nothing written, the first ``k`` with a
     position outside its tensor. A library apply writes a decoded batch in one call: a call per
-    tensor cost ~15-20 us of Python, more than 0.1% of most tensors takes to write."""
+    tensor cost ~9 us of Python, more than most tensors take to write at 0.1% changed (65
+    tensors of 25M: 0.93 against 0.37 ms)."""
     for k in range(table.shape[0]):
         n, bad = np.uint64(table[k, 1]), False
         for j in range(table[k, 3], table[k, 4]):
