@@ -172,8 +172,9 @@ def find_changes(old: torch.Tensor, new: torch.Tensor, *, update: bool = False,
                  max_fraction: float = 1 / 16, threads: bool = True, backend: str = "auto") -> Changes | None:
     """Positions and XOR of the elements whose bits differ.
 
-    Returns None when more than ``max_fraction`` of some chunk's elements changed: the caller then
-    sends the tensor densely, which is smaller anyway. With ``update=True`` the old snapshot is
+    Returns None when more than ``max_fraction`` of some chunk's elements changed (the scan
+    stops at that chunk's cap): the caller then takes the change in one pass over every element
+    (:func:`shared.codec.full_pass_change`). With ``update=True`` the old snapshot is
     refreshed in place (only when the result is not None, so a None never half-updates).
     ``threads=False`` scans in the calling thread (for callers that parallelise across tensors).
     ``backend``: ``"numba"`` (host tensors), ``"torch"`` (torch ops on the tensors' device, CPU

@@ -53,7 +53,6 @@ from .codec import (
     anchor_header,
     build_delta,
     change_batches,
-    dense_change,
     detect_tensor,
     encode_changes,
     encode_changes_many,
@@ -61,6 +60,7 @@ from .codec import (
     encode_positions_classed,
     encode_tensor,
     fingerprints_after,
+    full_pass_change,
     save_anchor,
     save_delta,
     tensor_entry,
@@ -568,7 +568,7 @@ class DeltaPublisher:
                                                   serial_below=THREADS_FROM_CHANGES)):
             snap = self._snapshot[n]
             if changes is None:
-                found[n] = dense_change(found[n].old, snap, out=unsigned_view(found[n].old))
+                found[n] = full_pass_change(found[n].old, snap, out=unsigned_view(found[n].old))
             else:
                 found[n] = changes if changes.count else self._unchanged(n)
         for n, f in found.items():

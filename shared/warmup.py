@@ -37,7 +37,8 @@ def _step(state: dict[str, torch.Tensor], version: int) -> None:
     """Changes of the kinds a trainer makes, in place, so that every way of coding them is used:
     moves of a few ulps in ~1% of each tensor (values coded as "add"), low bits flipped (as
     "xor"), a run of new values (positions coded by zstd), a busy tensor (copied by publish(),
-    scanned in the encoder thread) and, every other version, a dense change."""
+    scanned in the encoder thread) and, every other version, a change over a scan's cap (1/8 of
+    a tensor: found in one pass, its positions kept; then 3/4: every element coded)."""
     g = torch.Generator().manual_seed(version)
 
     def some(t: torch.Tensor, share: float) -> torch.Tensor:
@@ -50,7 +51,7 @@ def _step(state: dict[str, torch.Tensor], version: int) -> None:
         at = some(flat, 1 / 30 if name == "busy" else 1 / 100)
         flat[at] = flat[at] * (1 + 2 ** -6) + 1e-4
     proj = state["proj"].view(-1)
-    at = some(proj, 1 / 8 if version % 2 else 1 / 100)
+    at = some(proj, {1: 1 / 8, 3: 3 / 4}.get(version, 1 / 100))
     flips = torch.randint(1, 4, (at.numel(),), generator=g, dtype=torch.int16)
     proj[at] = (proj[at].bfloat16().view(torch.int16) ^ flips).view(torch.bfloat16).to(proj.dtype)
     state["embed"].view(-1)[5000:11000] = torch.randn(6000, generator=g).to(state["embed"].dtype) * 0.02

@@ -274,6 +274,29 @@ def test_find_changes_overflow_leaves_snapshot(dtype):
     assert torch.equal(old, few)
 
 
+@pytest.mark.parametrize("share", [0.1, 0.45, 0.55, 1.0])
+def test_a_change_over_the_scans_cap_keeps_its_positions_up_to_half_the_elements(share):
+    """Past 1/16 of a chunk the scan gives up and one pass takes the XOR of every element; the
+    positions are still coded from it (fast to decode) unless more than half changed, and the
+    delta rebuilds the new bits exactly either way."""
+    from shared.codec import encode_tensor
+
+    g = torch.Generator().manual_seed(3)
+    base = (torch.randn(40_000, generator=g) * 0.02).to(torch.bfloat16)
+    new = base.clone()
+    at = torch.randperm(base.numel(), generator=g)[:int(base.numel() * share)]
+    new.view(torch.int16)[at] += 1  # one ulp up
+    enc = encode_tensor("t", base.clone(), new, digest="")
+    assert enc.entry.changed == at.numel()
+    assert enc.entry.positions == ("gaps" if share < 0.5 else "all")
+    assert ("t::pos" in enc.blobs) == (share < 0.5)
+    delta = DeltaFile.from_bytes(encode_delta({"t": base}, {"t": new}, version=1, base_version=0, base_commitment=""))
+    assert delta.header.tensors["t"].positions == enc.entry.positions
+    target = {"t": base.clone()}
+    apply_delta(delta, target)
+    assert torch.equal(target["t"].view(torch.int16), new.view(torch.int16))
+
+
 @pytest.mark.parametrize("threads", [False, True])
 def test_find_changes_dense_chunk_takes_back_the_other_chunks_refresh(threads):
     """The refresh is fused into the scan: a sparse chunk refreshed before (or beside) a chunk
