@@ -46,9 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from shared.chain import Chain, Manifest
+from shared.codec import DeltaFile
 from shared.digest import TORCH_DTYPES
 from shared.errors import DeltaError
 from shared.lock import process_alive
@@ -104,22 +106,31 @@ def _tensor_hashes_of(answers: list[dict], dtype: str, numel: int) -> tuple[str,
     holds it (a tied alias)."""
     held, declared = answers[0]["held"], answers[0]["declared"]
     found = [(a["digest"], a["fingerprint"]) for a in answers if "digest" in a]
-    parts = [a for a in answers if "runs" in a]
-    if parts:
-        data = [base64.b64decode(a["data"]) for a in parts]
-        size = sum(map(len, data)) // max(1, sum(n for a in parts for _, n in a["runs"]))
-        whole = bytearray(numel * size)
-        filled = 0
-        for a, d in zip(parts, data):
-            off = 0
-            for start, n in a["runs"]:
-                whole[start * size:(start + n) * size] = d[off:off + n * size]
-                off, filled = off + n * size, filled + n
-        raw = torch.frombuffer(whole, dtype=torch.uint8) if whole else torch.empty(0, dtype=torch.uint8)
-        found.append(("", "") if filled != numel else audit_hashes(raw.view(TORCH_DTYPES[dtype]), held))
+    if any("runs" in a for a in answers):
+        whole = _tensor_of(answers, dtype, numel)
+        found.append(("", "") if whole is None else audit_hashes(whole, held))
     if not found:
         return None
     return next((h for h in found if ((h[0] != held) if held else (h[1] != declared))), found[0])
+
+
+def _tensor_of(answers: list[dict], dtype: str, numel: int) -> torch.Tensor | None:
+    """A tensor split across ranks put together, in checkpoint order, from the runs in every
+    rank's ``deltasync_tensor`` answer; None if they leave a gap or overlap."""
+    parts = [a for a in answers if "runs" in a]
+    data = [base64.b64decode(a["data"]) for a in parts]
+    size = sum(map(len, data)) // max(1, sum(n for a in parts for _, n in a["runs"]))
+    whole = bytearray(numel * size)
+    filled = 0
+    for a, d in zip(parts, data):
+        off = 0
+        for start, n in a["runs"]:
+            whole[start * size:(start + n) * size] = d[off:off + n * size]
+            off, filled = off + n * size, filled + n
+    if filled != numel:
+        return None
+    raw = torch.frombuffer(whole, dtype=torch.uint8) if whole else torch.empty(0, dtype=torch.uint8)
+    return raw.view(TORCH_DTYPES[dtype])
 
 
 def _runs_of_deltas(plan: list) -> list[list]:
@@ -265,7 +276,8 @@ class RolloutEngine:
         r = ranks[0]
         self.specs = r["specs"]
         metrics.RANKS.set(self.world)
-        metrics.SPLIT_TENSORS.set(len(r["shards"]))
+        self.split = set(r["shards"])  # tensors held in parts by several ranks
+        metrics.SPLIT_TENSORS.set(len(self.split))
         metrics.AUDIT_PERIOD.set(self.args.audit_every)
         self.timings.update(map_s=r["map_s"], map_built=float(r["map_built"]), init_digest_s=r["digest_s"])
         log.info("checkpoint map: %d tensors, %d runs, %s in %.2fs; ignored %s", r["tensors"], r["runs"],
@@ -469,7 +481,6 @@ class RolloutEngine:
         """Consecutive deltas as one: one stage, one pause, and a weight changed back and forth
         is written once. One at a time when they do not compose without the base (see
         ``shared.squash``); either way each is downloaded and checked once."""
-        from shared.codec import DeltaFile
         from shared.squash import NotSquashable, squash
 
         local: list[tuple[Path, StepReport]] = []
@@ -503,8 +514,12 @@ class RolloutEngine:
         else:
             path, step = local
         stage_id = None
+        bases = path.with_name(path.name + ".bases")
         try:
-            ranks = await self.job_all("stage", json.dumps({"path": str(path), "predict": self.args.predict}))
+            arg = {"path": str(path), "predict": self.args.predict}
+            if await self._gather_bases(path, bases):
+                arg["bases"] = str(bases)
+            ranks = await self.job_all("stage", json.dumps(arg))
             stage_id = ranks[0]["stage"]
             _check_shards(ranks, f"v{step.version}")  # before any rank writes
             step.stage_s, step.changed = max(r["stage_s"] for r in ranks), ranks[0]["changed"]
@@ -526,6 +541,7 @@ class RolloutEngine:
                 raise DeltaError("digest_mismatch", why)
         finally:
             path.unlink(missing_ok=True)
+            bases.unlink(missing_ok=True)
             if stage_id is not None:  # success or not: the worker frees its old and new bits
                 try:
                     await self.rpc("deltasync_release", stage_id)
@@ -636,6 +652,28 @@ class RolloutEngine:
                     await engine.resume_generation()
         if self.state.version is not None:
             metrics.VERSION.set(self.state.version)
+
+    async def _gather_bases(self, path: Path, out: Path) -> bool:
+        """Positions coded against the base (``compact``) decode only against the whole base
+        tensor, which no rank holds where the tensor is split across ranks: those tensors are put
+        together here from every rank (as a live digest does) into the safetensors file ``out``,
+        for each rank's staging. False: none needed. Nothing writes between this and the
+        staging (one update at a time), and what staging predicts is checked by fingerprint."""
+        if self.world == 1:
+            return False
+        header = await asyncio.to_thread(lambda: DeltaFile.open(path).header)
+        bases = {}
+        for name, e in header.tensors.items():
+            if e.positions == "classed" and name in self.split:
+                whole = _tensor_of(await self.rpc_all("deltasync_tensor", name), e.dtype, math.prod(e.shape))
+                if whole is None:
+                    raise RuntimeError(f"{name}: the ranks' runs do not put the tensor together")
+                bases[name] = whole.view(e.shape)
+        if bases:
+            await asyncio.to_thread(safetensors.torch.save_file, bases, str(out))
+            log.info("v%d: %d tensor(s) split across ranks, coded against the base, put together for staging "
+                     "(%.1f MB)", header.version, len(bases), sum(t.nbytes for t in bases.values()) / 1e6)
+        return bool(bases)
 
     async def _apply_anchor(self, ref, mode: PauseMode) -> StepReport:
         m = await asyncio.to_thread(self.chain.manifest, ref.version)

@@ -238,7 +238,8 @@ class LiveWeights:
                 # may change only to the value of a tensor the engine holds: the tie carries it.
                 raise DeltaError("shape_mismatch", f"{name} changes but the engine does not hold it")
 
-    def stage(self, delta: DeltaFile, *, predict: bool = True) -> Staged:
+    def stage(self, delta: DeltaFile, *, predict: bool = True, bases: Mapping[str, torch.Tensor] | None = None
+              ) -> Staged:
         """Decode (one numba call per batch of tensors) and gather, on the tensor threads from
         :data:`STAGE_THREADS_FROM` changes on (the kernels release the GIL, and a gather waits on
         memory, which a second thread overlaps), then predict every touched tensor's fingerprint.
@@ -246,8 +247,10 @@ class LiveWeights:
         gives their fingerprint changes (:meth:`_pieces`); the others through torch (any device),
         their fingerprint changes in one call for all.
         ``timings``: ``stage_s`` is wall time; ``decode_s`` and ``gather_s`` are summed over the
-        threads."""
+        threads. ``bases``: the live bits of tensors split across ranks whose positions are coded
+        against the base (put together by the server), which this rank cannot read itself."""
         t0 = time.perf_counter()
+        read = (lambda n: bases[n] if n in bases else self.live.read(n)) if bases else self.live.read
         header = delta.header
         self.check(header)
         delta.verify()  # once, before the threads decode
@@ -258,7 +261,7 @@ class LiveWeights:
         def batch(members: list[str]) -> list[tuple[list[Piece], bool]]:
             with torch.no_grad():  # per thread
                 a = time.perf_counter()
-                decoded, single = delta.decode_batches(members, base=self.live.read)
+                decoded, single = delta.decode_batches(members, base=read)
                 b = time.perf_counter()
                 pieces = self._pieces(decoded, list(single.values()))
             times.append((b - a, time.perf_counter() - b))

@@ -33,6 +33,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from shared.apply import Patch
@@ -194,8 +195,9 @@ class DeltaWorkerExtension:
             a = json.loads(arg)
             st = self._ds()
             delta = DeltaFile.open(a["path"])
+            bases = safetensors.torch.load_file(a["bases"]) if "bases" in a else {}  # see the engine's _gather_bases
             with st.lock:  # the weights must not change while we gather old bits
-                staged = st.weights.stage(delta, predict=a.get("predict", True))
+                staged = st.weights.stage(delta, predict=a.get("predict", True), bases=bases)
             st.staged[job] = staged
             h = staged.header
             return _ok(stage=job, version=h.version, base_version=h.base_version, shards=staged.shards,
