@@ -50,7 +50,7 @@ import safetensors.torch
 import torch
 
 from shared.chain import Chain, Manifest
-from shared.codec import DeltaFile
+from shared.codec import DeltaFile, read_header
 from shared.digest import TORCH_DTYPES
 from shared.errors import DeltaError
 from shared.lock import process_alive
@@ -661,7 +661,7 @@ class RolloutEngine:
         staging (one update at a time), and what staging predicts is checked by fingerprint."""
         if self.world == 1:
             return False
-        header = await asyncio.to_thread(lambda: DeltaFile.open(path).header)
+        header = await asyncio.to_thread(read_header, path)
         bases = {}
         for name, e in header.tensors.items():
             if e.positions == "classed" and name in self.split:
