@@ -81,7 +81,7 @@ from .digest import (
     tensor_digest,
 )
 from .errors import DeltaError
-from .fingerprint import (Fingerprint, add_lanes, delta_lanes, fingerprint_delta, state_fingerprint,
+from .fingerprint import (Fingerprint, add_lanes, delta_lanes, fingerprint_delta,
                           tensor_fingerprint)
 from .fingerprint import fingerprints as fingerprints_of
 
@@ -144,12 +144,15 @@ class Header(BaseModel):
 
 def entries_digest(entries: Mapping[str, TensorEntry]) -> str:
     """The state digest a header's tensor entries add up to ("" if some entry has no digest)."""
+    if not all(e.digest for e in entries.values()):  # a delta published without digests: no lines built
+        return ""
     return state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
 
 
 def entries_fingerprint(entries: Mapping[str, TensorEntry]) -> str:
-    """The state fingerprint a header's tensor entries add up to."""
-    return state_fingerprint({n: (e.dtype, e.shape, e.fingerprint) for n, e in entries.items()})
+    """The state fingerprint a header's tensor entries add up to (:func:`state_fingerprint`'s
+    lines, from the hex fingerprints the entries hold)."""
+    return state_digest_from_entries({n: (e.dtype, e.shape, e.fingerprint) for n, e in entries.items()})
 
 
 def chain_commitment(base_commitment: str, state_fingerprints: list[str]) -> str:
@@ -352,15 +355,15 @@ def _sparse(base_entry: TensorEntry, name: str, mode: str, changed: int, values:
     :func:`encode_positions`; a blob is given as bytes or as a uint8 tensor. ``fingerprint``:
     the target's, if the entry does not hold it yet."""
     blobs = {name + VAL: values if isinstance(values, torch.Tensor) else _u8(values)}
-    fields = {"encoding": mode, "changed": changed, "positions": "all", "coders": {VAL: VALUE_CODERS[mode]}}
-    if fingerprint is not None:
-        fields["fingerprint"] = fingerprint
+    coders, gap_bytes = {VAL: VALUE_CODERS[mode]}, 0
     if positions is not None:
-        blob, fields["gap_bytes"], fields["coders"][POS] = positions
+        blob, gap_bytes, coders[POS] = positions
         blobs[name + POS] = blob if isinstance(blob, torch.Tensor) else _u8(blob)
-        fields["positions"] = "gaps"
-    # one copy with every field (each attribute set on a pydantic model costs ~2 us)
-    return EncodedTensor(base_entry.model_copy(update=fields), blobs)
+    # a new entry with every field: 3.2 us, against 5.2 for a model_copy (~2 us an attribute set)
+    return EncodedTensor(TensorEntry(dtype=base_entry.dtype, shape=base_entry.shape, digest=base_entry.digest,
+                                     fingerprint=base_entry.fingerprint if fingerprint is None else fingerprint,
+                                     changed=changed, encoding=mode, positions="all" if positions is None else "gaps",
+                                     gap_bytes=gap_bytes, coders=coders), blobs)
 
 
 def choose_mode(xor: np.ndarray, new: Callable[[int], np.ndarray]) -> str:
@@ -639,21 +642,21 @@ def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry],
     # handed on as views of it, not as bytes objects copied and wrapped one by one.
     parts: list = []
     sizes: list[int] = []
-    plain: list[tuple[int, str, int]] = []  # (tensor, value kind, changes)
+    plain: list[tuple[int, str]] = []  # (tensor, value kind)
     for k, (name, entry, t, (needs, add, rice_k, code, raw, rice, end), estimate) in enumerate(
             zip(batch.names, entries, tables, spans.tolist(), estimates.tolist())):
-        pos, xor, new = batch.part(k)
-        if fingerprints is not None and needs:  # paths that make the entry themselves: the fingerprint first
-            entry = entry.model_copy(update={"fingerprint": fingerprints[k]})
-        if needs & NEEDS_ALL:
-            out[k] = encode_changes(entry, name, pos, xor, lambda n=None, new=new: new[:n])
-            continue
         mode = "add" if add else "xor"
         if not needs:
             head = ints_head(t, raw - code, rice - raw)
             parts += [head, buf[code:rice], _BYTES[rice_k], buf[rice:end]]
             sizes += [len(head) + rice - code, 1 + end - rice]
-            plain.append((k, mode, pos.shape[0]))
+            plain.append((k, mode))
+            continue
+        pos, xor, new = batch.part(k)
+        if fingerprints is not None:  # paths that make the entry themselves: the fingerprint first
+            entry = entry.model_copy(update={"fingerprint": fingerprints[k]})
+        if needs & NEEDS_ALL:
+            out[k] = encode_changes(entry, name, pos, xor, lambda n=None, new=new: new[:n])
             continue
         if not needs & NEEDS_SET_TRIAL:
             values = ints_blob(t, buf[code:raw], buf[raw:rice])
@@ -666,8 +669,9 @@ def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry],
         out[k] = _sparse(entry, name, mode, pos.shape[0], values, positions)
     if plain:
         blobs = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).split(sizes)
-        for (k, mode, changed), values, positions in zip(plain, blobs[::2], blobs[1::2]):
-            out[k] = _sparse(entries[k], batch.names[k], mode, changed, values, (positions, 0, "rice"),
+        changed = np.diff(batch.starts).tolist()
+        for (k, mode), values, positions in zip(plain, blobs[::2], blobs[1::2]):
+            out[k] = _sparse(entries[k], batch.names[k], mode, changed[k], values, (positions, 0, "rice"),
                              None if fingerprints is None else fingerprints[k])
     return out  # type: ignore[return-value]
 

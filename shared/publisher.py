@@ -489,7 +489,10 @@ class DeltaPublisher:
         job.report.changed, job.report.int32_bf16_bytes = changed, 6 * changed  # set, not read: that waits for this
 
         def one(n: str) -> EncodedTensor:
-            return encode_found(n, self._snapshot[n], job.found[n], compact=self.compact,
+            found = job.found[n]
+            if isinstance(found, EncodedTensor) and found.entry.fingerprint:  # unchanged: nothing to do
+                return found
+            return encode_found(n, self._snapshot[n], found, compact=self.compact,
                                 base_fingerprint=Fingerprint.from_hex(self._fingerprints[n]), digest=self._new_digest())
 
         def batch(members: list[str]) -> list[EncodedTensor]:
