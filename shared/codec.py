@@ -81,7 +81,7 @@ from .digest import (
     tensor_digest,
 )
 from .errors import DeltaError
-from .fingerprint import (Fingerprint, add_lanes, delta_lanes, fingerprint_delta,
+from .fingerprint import (Fingerprint, add_lanes, delta_lanes, fingerprint_delta, state_fingerprint,
                           tensor_fingerprint)
 from .fingerprint import fingerprints as fingerprints_of
 
@@ -144,15 +144,12 @@ class Header(BaseModel):
 
 def entries_digest(entries: Mapping[str, TensorEntry]) -> str:
     """The state digest a header's tensor entries add up to ("" if some entry has no digest)."""
-    if not all(e.digest for e in entries.values()):  # a delta published without digests: no lines built
-        return ""
     return state_digest_from_entries({n: (e.dtype, e.shape, e.digest) for n, e in entries.items()})
 
 
 def entries_fingerprint(entries: Mapping[str, TensorEntry]) -> str:
-    """The state fingerprint a header's tensor entries add up to (:func:`state_fingerprint`'s
-    lines, from the hex fingerprints the entries hold)."""
-    return state_digest_from_entries({n: (e.dtype, e.shape, e.fingerprint) for n, e in entries.items()})
+    """The state fingerprint a header's tensor entries add up to."""
+    return state_fingerprint({n: (e.dtype, e.shape, e.fingerprint) for n, e in entries.items()})
 
 
 def chain_commitment(base_commitment: str, state_fingerprints: list[str]) -> str:

@@ -471,8 +471,10 @@ def fingerprints(state: Mapping[str, torch.Tensor], *, device: str | torch.devic
 def state_fingerprint(entries: Mapping[str, tuple[str, Iterable[int], Fingerprint | str]]) -> str:
     """``blake3`` of ``f"{name}\\t{dtype}\\t{shape}\\t{fingerprint}\\n"`` in name order: the state
     digest's lines with fingerprints in place of digests, from (dtype, shape, fingerprint)."""
-    return state_digest_from_entries({n: (dtype, shape, fp.hex() if isinstance(fp, Fingerprint) else fp)
-                                      for n, (dtype, shape, fp) in entries.items()})
+    if any(isinstance(fp, Fingerprint) for _, _, fp in entries.values()):  # else all hex already
+        entries = {n: (dtype, shape, fp.hex() if isinstance(fp, Fingerprint) else fp)
+                   for n, (dtype, shape, fp) in entries.items()}
+    return state_digest_from_entries(entries)
 
 
 def state_fingerprint_of(state: Mapping[str, torch.Tensor], **kwargs) -> str:
