@@ -3,17 +3,20 @@
 Each value ``x`` becomes a symbol: ``x`` itself below 16, otherwise its bit length and the bit
 after the leading one (a two-significant-bit float), whose remaining low bits are stored raw.
 Symbols are coded with rANS (numba, :mod:`shared.kernels`) under frequencies fitted to this
-very sequence and sent with it (a zstd-compressed table of 12-bit frequencies), so skewed
-distributions such as "almost every change is one ulp" cost close to their entropy, which
-byte-oriented zstd is not.
+very sequence and sent with it (a table of 12-bit frequencies), so skewed distributions such as
+"almost every change is one ulp" cost close to their entropy, which byte-oriented zstd is not.
 
-Blob: ``<III`` (table bytes, code bytes, raw bytes), the table, the rANS code, the raw bits.
+Blob: ``<III`` (table bytes, code bytes, raw bytes), the table, the rANS code, the raw bits. The
+table is coded by :func:`shared.kernels.table_code` (``tables="gamma"``, format 4: the used
+symbols and their frequencies in Elias-gamma codes), or, in files of format 3, is a zstd frame
+of the 136 frequencies as ``<u2`` (``tables="zstd"``), which is still read.
 """
 
 from __future__ import annotations
 
 import struct
 import threading
+from typing import Literal
 
 import numpy as np
 import zstandard
@@ -24,6 +27,7 @@ ZSTD_LEVEL = 3
 SMALL = 16
 ALPHABET = SMALL + 2 * 60  # bit lengths 5..64, two symbols each
 _HEAD = struct.Struct("<III")
+TableCoding = Literal["gamma", "zstd"]
 
 
 _ZSTD = threading.local()  # contexts are costly to make and not thread-safe: one per thread
@@ -58,38 +62,28 @@ def zstd_decompress(blob, size: int) -> bytes:
 
 def encode_ints(x: np.ndarray, zigzag: bool = False) -> bytes:
     """Symbols' frequencies (rounded half to even to sum to ``2**PROB_BITS``, every used symbol
-    at least 1), their rANS code and the raw bits, in one kernel call (its parts one by one
-    cost ~35 us of numpy calls a blob). ``x``: unsigned ints; with ``zigzag``, the bits of
-    signed ints of their width, coded as their zigzag (0, -1, 1, -2 -> 0, 1, 2, 3)."""
+    at least 1), their rANS code and the raw bits, as one blob made in one kernel call (its
+    parts one by one cost ~35 us of numpy calls a blob). ``x``: unsigned ints; with ``zigzag``,
+    the bits of signed ints of their width, coded as their zigzag (0, -1, 1, -2 -> 0, 1, 2, 3)."""
     from . import kernels
 
     x = np.ascontiguousarray(x)
     if x.dtype.kind != "u":
         raise TypeError(f"encode_ints takes unsigned ints, not {x.dtype}")
-    freq, code, raw, ok = kernels.encode_ints_parts(x, zigzag, ALPHABET)
+    blob, ok = kernels.encode_ints_blob(x, zigzag, ALPHABET)
     if not ok:
         raise ValueError("cannot quantise these counts")
-    return ints_blob(freq, code, raw)
+    return blob.tobytes()
 
 
-def ints_blob(freq: np.ndarray, code: np.ndarray, raw: np.ndarray) -> bytes:
-    """The blob of :func:`encode_ints` from its parts: symbol frequencies, rANS code, raw bits."""
-    return b"".join([ints_head(freq, code.shape[0], raw.shape[0]), code, raw])
+def decode_ints(blob, count: int, tables: TableCoding = "gamma") -> np.ndarray:
+    return decode_ints_into(blob, np.empty(count, dtype=np.uint64), tables=tables)
 
 
-def ints_head(freq: np.ndarray, code_bytes: int, raw_bytes: int) -> bytes:
-    """What an :func:`encode_ints` blob holds before its rANS code: the section sizes and the
-    compressed symbol frequencies."""
-    table = zstd_compress(freq.astype("<u2").tobytes())
-    return _HEAD.pack(len(table), code_bytes, raw_bytes) + table
-
-
-def decode_ints(blob, count: int) -> np.ndarray:
-    return decode_ints_into(blob, np.empty(count, dtype=np.uint64))
-
-
-def ints_sections(blob) -> tuple[np.ndarray, int, int]:
+def ints_sections(blob, tables: TableCoding = "gamma") -> tuple[np.ndarray, int, int]:
     """An entropy-coded blob's symbol frequencies, and where its rANS code and its raw bits start."""
+    from . import kernels
+
     try:
         n_table, n_code, n_raw = _HEAD.unpack_from(blob, 0)
     except struct.error as e:
@@ -97,18 +91,26 @@ def ints_sections(blob) -> tuple[np.ndarray, int, int]:
     at = _HEAD.size
     if at + n_table + n_code + n_raw != len(blob):
         raise DeltaError("corrupt", "entropy-coded blob: section sizes do not add up")
-    table = np.frombuffer(zstd_decompress(blob[at:at + n_table], 2 * ALPHABET), dtype="<u2")
+    if tables == "zstd":
+        table = np.frombuffer(zstd_decompress(blob[at:at + n_table], 2 * ALPHABET), dtype="<u2")
+    else:
+        table = np.empty(ALPHABET, dtype=np.uint16)
+        if not kernels.table_decode(np.frombuffer(blob[at:at + n_table], dtype=np.uint8), table):
+            raise DeltaError("corrupt", "entropy-coded blob: damaged symbol table")
     return table, at + n_table, at + n_table + n_code
 
 
-def ints_sections_many(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def ints_sections_many(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, tables: TableCoding = "gamma"
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`ints_sections` of the blobs ``buf[starts[t]:ends[t]]``: their tables (one row each),
     and where their codes and raw bits start in ``buf``. The heads are read with numpy and the
-    tables decompressed in one zstd call: a delta of 0.1% of a model holds a hundred or more
-    blobs, and a Python call each took ~5 us. Damage is named by :func:`ints_sections`, blob by
-    blob, which the fast path falls back to on any error."""
+    tables decoded in one call: a delta of 0.1% of a model holds a hundred or more blobs, and
+    a Python call each took ~5 us. Damage is named by :func:`ints_sections`, blob by blob, which
+    the fast path falls back to on any error."""
+    from . import kernels
+
     n = starts.shape[0]
-    tables = np.empty((n, ALPHABET), dtype=np.uint16)
+    out = np.empty((n, ALPHABET), dtype=np.uint16)
     code_at, raw_at = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     try:
         if n and not np.all(ends - starts >= _HEAD.size):
@@ -118,29 +120,31 @@ def ints_sections_many(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) ->
             raise ValueError("section sizes do not add up")
         code_at[:] = starts + _HEAD.size + heads[:, 0]
         raw_at[:] = code_at + heads[:, 1]
-        if n:
+        if n and tables == "zstd":
             frames = zstandard.BufferWithSegments(
                 buf, np.stack([starts + _HEAD.size, heads[:, 0]], axis=1).astype("=u8").tobytes())
             size = 2 * ALPHABET
-            out = _decompressor().multi_decompress_to_buffer(frames, decompressed_sizes=np.full(n, size, "=u8").tobytes())
-            if out.size() != n * size:
+            got = _decompressor().multi_decompress_to_buffer(frames, decompressed_sizes=np.full(n, size, "=u8").tobytes())
+            if got.size() != n * size:
                 raise ValueError("a table of the wrong size")
-            tables[:] = np.frombuffer(b"".join(out[i] for i in range(n)), dtype="<u2").reshape(n, ALPHABET)
-        return tables, code_at, raw_at
+            out[:] = np.frombuffer(b"".join(got[i] for i in range(n)), dtype="<u2").reshape(n, ALPHABET)
+        elif n and kernels.table_decode_many(buf, starts + _HEAD.size, code_at, out) >= 0:
+            raise ValueError("a damaged table")
+        return out, code_at, raw_at
     except Exception:  # noqa: BLE001 - zstd's and numpy's errors alike: the slow path names the damage
         for t in range(n):
-            tables[t], code, raw = ints_sections(buf[starts[t]:ends[t]])
+            out[t], code, raw = ints_sections(buf[starts[t]:ends[t]], tables)
             code_at[t], raw_at[t] = starts[t] + code, starts[t] + raw
-        return tables, code_at, raw_at
+        return out, code_at, raw_at
 
 
-def decode_ints_into(blob, out: np.ndarray, zigzag: bool = False) -> np.ndarray:
+def decode_ints_into(blob, out: np.ndarray, zigzag: bool = False, tables: TableCoding = "gamma") -> np.ndarray:
     """Decode ``len(out)`` values into the unsigned ``out`` (elements' width: a wider value is
     damage), or with ``zigzag`` the signed values they zigzag-code, wrapping into ``out``."""
     from . import kernels
 
     blob = memoryview(blob).cast("B")
-    table, code_at, raw_at = ints_sections(blob)
+    table, code_at, raw_at = ints_sections(blob, tables)
     if out.shape[0] == 0:
         return out
     try:
@@ -173,11 +177,6 @@ def rice_encode(x: np.ndarray, running: bool = False) -> bytes:
     from . import kernels
 
     k, code = kernels.rice_auto(np.ascontiguousarray(x, dtype=np.int64 if running else np.uint64), running)
-    return rice_blob(k, code)
-
-
-def rice_blob(k: int, code: np.ndarray) -> bytes:
-    """The blob of :func:`rice_encode` from its parts: the parameter's byte, then the code."""
     return bytes([k]) + code.tobytes()
 
 

@@ -805,10 +805,99 @@ def rans_encode(sym, freq, cum, out):  # pragma: no cover
     return ptr
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_gamma(out, n, acc, filled, v):  # pragma: no cover
+    """The Elias-gamma code of ``v`` (1 <= v < 2**31), least significant bit first: as many ones
+    as ``v`` has bits after its leading one, a zero, then those bits."""
+    q = 63 - leading_zeros(np.uint64(v))
+    ones = (np.uint64(1) << np.uint64(q)) - np.uint64(1)
+    return put_bits(out, n, acc, filled, ones | ((np.uint64(v) & ones) << np.uint64(q + 1)), 2 * q + 1)
+
+
 @numba.njit(cache=True, nogil=True)
-def encode_ints_parts(bits, zig, alphabet):  # pragma: no cover
-    """``entropy.encode_ints``' numbers in one call: (frequencies, rANS code, raw bits, ok);
-    not ok when the counts cannot be quantised."""
+def table_code(freq):  # pragma: no cover
+    """An entropy-coded blob's table section (format 4): the count of used symbols plus one,
+    then per used symbol, in order, its distance from the one before (the first from -1) and its
+    frequency, all in Elias-gamma codes; ~3 bytes a used symbol against a zstd frame of ~74
+    bytes, which cost ~6 us to make and a decompression call to read."""
+    out = np.zeros(8 * freq.shape[0] + 16, dtype=np.uint8)  # 5 bytes a symbol at most
+    used = 0
+    for s in range(freq.shape[0]):
+        used += freq[s] > 0
+    n, acc, filled = _put_gamma(out, 0, np.uint64(0), 0, used + 1)
+    prev = -1
+    for s in range(freq.shape[0]):
+        if freq[s] > 0:
+            n, acc, filled = _put_gamma(out, n, acc, filled, s - prev)
+            n, acc, filled = _put_gamma(out, n, acc, filled, freq[s])
+            prev = s
+    while filled > 0:
+        out[n] = acc & np.uint64(0xFF)
+        n += 1
+        acc >>= np.uint64(8)
+        filled -= 8
+    return out[:n]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _gamma_value(buf, acc, avail, pos):  # pragma: no cover
+    """The next Elias-gamma value (see :func:`_put_gamma`) from the reservoir ``acc`` of
+    ``avail`` bits, refilled from byte ``pos`` of ``buf``: (value, acc, avail, pos, ok); not
+    ok for a value of 2**31 or more (damaged)."""
+    acc, avail, pos = _refill(buf, acc, avail, pos, 56)
+    q = np.int64(trailing_zeros(~acc)) if ~acc != np.uint64(0) else np.int64(64)
+    if q > 30:
+        return np.uint64(0), acc, avail, pos, False
+    acc >>= np.uint64(q + 1)
+    avail -= q + 1
+    acc, avail, pos = _refill(buf, acc, avail, pos, 56)
+    v = (np.uint64(1) << np.uint64(q)) | (acc & ((np.uint64(1) << np.uint64(q)) - np.uint64(1)))
+    return v, acc >> np.uint64(q), avail - q, pos, True
+
+
+@numba.njit(cache=True, nogil=True)
+def table_decode(buf, out):  # pragma: no cover
+    """:func:`table_code`'s inverse into ``out`` (zeroed here). False for a damaged table: a
+    code running past ``buf`` or ending a byte or more before its end, a symbol past ``out``, a
+    frequency above ``2**PROB_BITS`` (that they add up is checked where they are used)."""
+    out[:] = 0
+    acc, avail, pos = np.uint64(0), 0, 0
+    v, acc, avail, pos, ok = _gamma_value(buf, acc, avail, pos)
+    if not ok or v - np.uint64(1) > np.uint64(out.shape[0]):
+        return False
+    s = np.int64(-1)
+    for _ in range(np.int64(v) - 1):
+        gap, acc, avail, pos, ok = _gamma_value(buf, acc, avail, pos)
+        if not ok or gap >= np.uint64(out.shape[0] - s):
+            return False
+        s += np.int64(gap)
+        f, acc, avail, pos, ok = _gamma_value(buf, acc, avail, pos)
+        if not ok or f > np.uint64(1 << PROB_BITS):
+            return False
+        out[s] = f
+    return (pos * 8 - avail + 7) // 8 == buf.shape[0]
+
+
+@numba.njit(cache=True, nogil=True)
+def table_decode_many(buf, lo, hi, tables):  # pragma: no cover
+    """:func:`table_decode` of the sections ``buf[lo[t]:hi[t]]`` into the rows of ``tables``:
+    -1, or the first damaged one."""
+    for t in range(lo.shape[0]):
+        if not table_decode(buf[lo[t]:hi[t]], tables[t]):
+            return t
+    return -1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_u32(out, at, v):  # pragma: no cover
+    for j in range(4):
+        out[at + j] = (np.uint64(v) >> np.uint64(8 * j)) & np.uint64(0xFF)
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_ints_blob(bits, zig, alphabet):  # pragma: no cover
+    """``entropy.encode_ints``' blob in one call: (blob, ok); not ok when the counts cannot be
+    quantised."""
     n = bits.shape[0]
     x = np.empty(n, dtype=np.uint64)
     width = 8 * bits.itemsize
@@ -822,17 +911,24 @@ def encode_ints_parts(bits, zig, alphabet):  # pragma: no cover
     nraw = np.empty(n, dtype=np.uint8)
     counts = np.zeros(alphabet, dtype=np.int64)
     total = symbolize(x, sym, nraw, counts)
-    raw = np.zeros((total + 7) // 8, dtype=np.uint8)
-    pack_bits(x, nraw, raw)
     freq = np.zeros(alphabet, dtype=np.int64)
-    if n == 0:
-        return freq, np.empty(0, dtype=np.uint8), raw, True
-    quantise_counts(counts, PROB_BITS, freq)
-    if freq.min() < 0 or freq.max() > 1 << PROB_BITS:
-        return freq, np.empty(0, dtype=np.uint8), raw, False
-    buf = np.empty(n * 4 + 16, dtype=np.uint8)  # worst case: 32 bits a symbol
-    start = rans_encode(sym, freq, np.cumsum(freq) - freq, buf)
-    return freq, buf[start:], raw, True
+    code = np.empty(n * 4 + 16, dtype=np.uint8)  # worst case: 32 bits a symbol
+    start = code.shape[0]
+    if n:
+        quantise_counts(counts, PROB_BITS, freq)
+        if freq.min() < 0 or freq.max() > 1 << PROB_BITS:
+            return np.empty(0, dtype=np.uint8), False
+        start = rans_encode(sym, freq, np.cumsum(freq) - freq, code)
+    table = table_code(freq)
+    nt, nc, nr = table.shape[0], code.shape[0] - start, (total + 7) // 8
+    blob = np.zeros(12 + nt + nc + nr, dtype=np.uint8)
+    _put_u32(blob, 0, nt)
+    _put_u32(blob, 4, nc)
+    _put_u32(blob, 8, nr)
+    blob[12:12 + nt] = table
+    blob[12 + nt:12 + nt + nc] = code[start:]
+    pack_bits(x, nraw, blob[12 + nt + nc:])
+    return blob, True
 
 
 @numba.njit(cache=True, nogil=True)
@@ -858,34 +954,35 @@ def _add_bits(xor, new):  # pragma: no cover
 
 
 # encode_sparse_many's per-tensor row of ``spans``, and what a tensor still needs from its caller
-SPAN_NEEDS, SPAN_MODE, SPAN_K, SPAN_CODE, SPAN_RAW, SPAN_RICE, SPAN_END = range(7)
+SPAN_NEEDS, SPAN_MODE, SPAN_VAL, SPAN_POS, SPAN_END = range(5)
 NEEDS_SET_TRIAL, NEEDS_POSITIONS_TRIAL, NEEDS_ALL = 1, 2, 4
 
 
 @numba.njit(cache=True, nogil=True)
-def encode_sparse_many(starts, positions, xor, new, sample, gate, pattern, alphabet, tables, spans,
+def encode_sparse_many(starts, positions, xor, new, sample, gate, pattern, alphabet, spans,
                        estimates):  # pragma: no cover
     """``codec.encode_changes`` of many tensors in one call (per tensor, the calls cost ~100 us of
     dispatch and numpy: most of what a tensor with few changes took). Tensor ``t`` is changes
     ``starts[t]:starts[t+1]`` of the sorted ``positions``, their ``xor`` and ``new`` bits.
 
     Per tensor: the value kind ("xor" 0 or "add" 1) estimated smaller on the first ``sample``
-    changes by :func:`value_kind_sizes` (its estimates into ``estimates[t]``), its symbol
-    frequencies into ``tables[t]``, its rANS code and raw bits, and the positions' Rice code,
-    appended to the returned buffer; ``spans[t]`` (``SPAN_*``) says where. The zstd trials are
-    left to the caller, flagged in ``spans[t, SPAN_NEEDS]``: ``NEEDS_SET_TRIAL`` where the "set"
-    kind may beat the estimates (no values coded), ``NEEDS_POSITIONS_TRIAL`` where
-    :func:`zstd_may_win` against the Rice code, ``NEEDS_ALL`` where the counts could not be
-    quantised (nothing kept)."""
+    changes by :func:`value_kind_sizes` (its estimates into ``estimates[t]``), the values' blob
+    (:func:`encode_ints_blob`) and the positions' (the Rice parameter's byte, then the code),
+    appended to the returned buffer, which they tile tensor by tensor; ``spans[t]`` (``SPAN_*``)
+    says where. The zstd trials are left to the caller, flagged in ``spans[t, SPAN_NEEDS]``:
+    ``NEEDS_SET_TRIAL`` where the "set" kind may beat the estimates (no values coded),
+    ``NEEDS_POSITIONS_TRIAL`` where :func:`zstd_may_win` against the Rice code, ``NEEDS_ALL``
+    where the counts could not be quantised (nothing kept)."""
     buf = np.empty(1 << 16, dtype=np.uint8)
     used = 0
     sizes = np.empty(3)
+    k_byte = np.empty(1, dtype=np.uint8)
     for t in range(starts.shape[0] - 1):
         a, b = starts[t], starts[t + 1]
         k = min(sample, b - a)
         g = min(gate, k)
         spans[t, :] = used
-        spans[t, SPAN_NEEDS], spans[t, SPAN_MODE], spans[t, SPAN_K] = 0, 0, 0
+        spans[t, SPAN_NEEDS], spans[t, SPAN_MODE] = 0, 0
         if k == 0:
             spans[t, SPAN_NEEDS] = NEEDS_ALL
             continue
@@ -897,18 +994,16 @@ def encode_sparse_many(starts, positions, xor, new, sample, gate, pattern, alpha
             spans[t, SPAN_NEEDS] = NEEDS_SET_TRIAL  # "set" usually wins then: no values coded here
         else:
             bits = _add_bits(xor[a:b], new[a:b]) if add else xor[a:b]
-            freq, code, raw, ok = encode_ints_parts(bits, add, alphabet)
+            blob, ok = encode_ints_blob(bits, add, alphabet)
             if not ok:
                 spans[t, SPAN_NEEDS] = NEEDS_ALL
                 continue
-            tables[t, :] = freq
-            buf, used = _put(buf, used, code)
-            spans[t, SPAN_RAW] = used
-            buf, used = _put(buf, used, raw)
-        spans[t, SPAN_RICE] = used
-        spans[t, SPAN_K], rice = rice_auto(positions[a:b], True)
+            buf, used = _put(buf, used, blob)
+        spans[t, SPAN_POS] = used
+        k_byte[0], rice = rice_auto(positions[a:b], True)
         if zstd_may_win(positions[a:b], rice.shape[0] + 1, pattern):  # + the byte of k
             spans[t, SPAN_NEEDS] |= NEEDS_POSITIONS_TRIAL
+        buf, used = _put(buf, used, k_byte)
         buf, used = _put(buf, used, rice)
         spans[t, SPAN_END] = used
     return buf[:used]

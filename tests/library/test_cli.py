@@ -35,7 +35,7 @@ def test_diff_apply_inspect_digest(tiny_model_dir, tmp_path):
     assert run("digest", tiny_model_dir).stdout.strip() == state_digest(s0)  # a model folder
     info = json.loads(run("inspect", tmp_path / "d.safetensors", "--json").stdout)
     assert info["kind"] == "delta" and info["version"] == 1 and info["state_digest"] == state_digest(s1)
-    assert info["format_version"] == 3 and info["state_fingerprint"] == state_fingerprint_of(s1)
+    assert info["format_version"] == 4 and info["state_fingerprint"] == state_fingerprint_of(s1)
     text = run("inspect", tmp_path / "d.safetensors").stdout
     assert "model.embed_tokens.weight" in text and f"fingerprint {state_fingerprint_of(s1)}" in text
     # the output is itself a base for the next delta

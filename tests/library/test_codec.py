@@ -388,19 +388,92 @@ def test_rice_positions_are_checked_in_the_decoding_pass(positions):
         rice_decode(wrapped, 2, running=True, limit=1 << 40)
 
 
-def test_entropy_table_that_does_not_add_up_is_refused():
+@pytest.mark.parametrize("tables", ["gamma", "zstd"])
+def test_entropy_table_that_does_not_add_up_is_refused(tables):
+    """In either table coding (format 4's own, format 3's zstd frame), frequencies that do not
+    add up to 2**12 are refused before any symbol is decoded."""
     from shared.entropy import _HEAD, ALPHABET, decode_ints, encode_ints, zstd_compress
-    from shared.errors import DeltaError
+    from shared.kernels import table_code
 
     blob = encode_ints(np.arange(50, dtype=np.uint64) % 7)
     n_table, n_code, n_raw = _HEAD.unpack_from(blob, 0)
     table = np.zeros(ALPHABET, dtype="<u2")
     table[:7] = 100  # 700, not 4096
-    bad_table = zstd_compress(table.tobytes())
+    bad_table = zstd_compress(table.tobytes()) if tables == "zstd" else table_code(table.astype(np.int64)).tobytes()
     rest = blob[_HEAD.size + n_table:]
     bad = _HEAD.pack(len(bad_table), n_code, n_raw) + bad_table + rest
     with pytest.raises(DeltaError, match="symbol table does not add up"):
-        decode_ints(bad, 50)
+        decode_ints(bad, 50, tables=tables)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.dictionaries(st.integers(0, 135), st.integers(1, 4096), max_size=136))
+def test_table_code_roundtrips_and_refuses_damage(freqs):
+    """Format 4's table section reads back exactly, and one cut short, one with a byte too many,
+    a symbol past the alphabet or a frequency above 2**12 is refused."""
+    from shared.entropy import ALPHABET
+    from shared.kernels import table_code, table_decode
+
+    def coded(*values: int) -> np.ndarray:
+        """Elias-gamma codes, least significant bit first, written out bit by bit."""
+        bits = []
+        for v in values:
+            q = v.bit_length() - 1
+            bits += [1] * q + [0] + [(v >> i) & 1 for i in range(q)]
+        bits += [0] * (-len(bits) % 8)
+        return np.packbits(np.array(bits, dtype=np.uint8), bitorder="little")
+
+    freq = np.zeros(ALPHABET, dtype=np.int64)
+    freq[list(freqs)] = list(freqs.values())
+    code = table_code(freq)
+    used = sorted(freqs)
+    assert np.array_equal(code, coded(len(used) + 1, *[v for s, prev in zip(used, [-1, *used])
+                                                       for v in (s - prev, freqs[s])]))
+    out = np.full(ALPHABET, 7, dtype=np.uint16)
+    assert table_decode(code, out) and np.array_equal(out, freq)
+    assert len(code) <= 1 + 5 * len(freqs)
+    assert not table_decode(code[:-1], out)
+    assert not table_decode(np.append(code, np.uint8(0)), out)
+    assert table_decode(coded(2, 136, 4096), out) and out[135] == 4096 and out.sum() == 4096
+    assert not table_decode(coded(2, 137, 4096), out)  # symbol 136: past the alphabet
+    assert not table_decode(coded(2, 1, 4097), out)  # a frequency above 2**12
+    assert not table_decode(coded(138), out)  # more used symbols than the alphabet holds
+
+
+def test_format_3_files_are_still_read():
+    """Format 3 coded each rANS table as a zstd frame of its 136 frequencies; a delta rewritten
+    that way (as a format-3 writer made it) decodes and applies to the same bits."""
+    import safetensors.torch
+
+    from shared.codec import VAL, payload_digest, save_delta
+    from shared.entropy import _HEAD, ints_sections, zstd_compress
+
+    base = bits_state(5, {"a": ((64, 96), torch.bfloat16), "b": ((300,), torch.float32), "c": ((40,), torch.float16)})
+    new = perturb(base, 0.02, 6)
+    bits = base["a"].view(torch.int16)  # one-ulp steps: rANS-coded wrapping differences
+    new["a"] = (bits + (torch.rand(bits.shape, generator=torch.Generator().manual_seed(7)) < 0.05)).view(torch.bfloat16)
+    h0 = anchor_header(base, version=0)
+    data = encode_delta(base, new, version=1, base_version=0, base_commitment=h0.commitment)
+    header = DeltaFile.from_bytes(data).header.model_copy(update={"format_version": 3})
+    blobs = safetensors.torch.load(data)
+    rans = [n for n, e in header.tensors.items() if e.coders.get(VAL) == "ans"]
+    assert rans
+    for n in rans:
+        blob = blobs[n + VAL].numpy().tobytes()
+        table, code_at, raw_at = ints_sections(blob)
+        frame = zstd_compress(table.astype("<u2").tobytes())
+        old = _HEAD.pack(len(frame), raw_at - code_at, len(blob) - raw_at) + frame + blob[code_at:]
+        blobs[n + VAL] = torch.frombuffer(bytearray(old), dtype=torch.uint8)
+    header.payload_blake3 = payload_digest(blobs)
+    v3 = save_delta(header, blobs)
+    assert len(v3) > len(data)
+    delta = DeltaFile.from_bytes(v3)
+    assert delta.header.format_version == 3
+    assert [_outcome(lambda c=c: c) for c in delta.decode(list(base))] == \
+        [_outcome(lambda c=c: c) for c in DeltaFile.from_bytes(data).decode(list(base))]
+    target = {k: t.clone() for k, t in base.items()}
+    apply_delta(delta, target, version=0, commitment=h0.commitment)
+    assert same_bits(target, new)
 
 
 @pytest.mark.parametrize("damage", [None, "hole", "overlap", "trailing byte", "size", "dtype", "offsets"])

@@ -554,7 +554,7 @@ def test_formats_1_and_2_are_refused_by_name_and_fingerprints_are_checked(tmp_pa
     import blake3
     import safetensors.torch
 
-    from shared.codec import DeltaFile, anchor_header, save_anchor
+    from shared.codec import FORMAT_VERSION, DeltaFile, anchor_header, save_anchor
     from shared.errors import DeltaError
 
     state = {"w": torch.arange(12, dtype=torch.float32).bfloat16()}
@@ -573,7 +573,11 @@ def test_formats_1_and_2_are_refused_by_name_and_fingerprints_are_checked(tmp_pa
     with pytest.raises(DeltaError, match="format version 1 or 2 .commitments over blake3") as e:
         DeltaFile.open(path)
     assert e.value.reason == "format"
-    doc = {"format_version": 3, **doc}
+    rewrite({"format_version": 99, **doc})
+    with pytest.raises(DeltaError, match="format version 99 is not supported .this deltasync reads 3, 4.") as e:
+        DeltaFile.open(path)
+    assert e.value.reason == "format"
+    doc = {"format_version": FORMAT_VERSION, **doc}
     doc["tensors"]["w"]["fingerprint"] = "0" * 64
     rewrite(doc)
     with pytest.raises(DeltaError, match="fingerprints do not add up") as e:
@@ -594,7 +598,7 @@ def test_header_refuses_a_malformed_hash_even_where_its_sums_are_recomputed(tmp_
     import blake3
     import safetensors.torch
 
-    from shared.codec import DeltaFile, anchor_header, chain_commitment, entries_digest, entries_fingerprint
+    from shared.codec import FORMAT_VERSION, DeltaFile, anchor_header, chain_commitment, entries_digest, entries_fingerprint
     from shared.errors import DeltaError
 
     state = {"w": torch.arange(12, dtype=torch.float32).bfloat16(), "v": torch.ones(3).bfloat16()}
@@ -604,7 +608,7 @@ def test_header_refuses_a_malformed_hash_even_where_its_sums_are_recomputed(tmp_
     header.state_fingerprint = entries_fingerprint(header.tensors)
     header.commitment = chain_commitment(header.base_commitment, [header.state_fingerprint])
     body = header.model_dump_json(exclude_defaults=True)
-    text = f'{{"format_version":3,{body[1:]}'
+    text = f'{{"format_version":{FORMAT_VERSION},{body[1:]}'
     path = tmp_path / "a.safetensors"
     safetensors.torch.save_file(state, str(path), metadata={
         "format": "deltasync", "deltasync": text, "deltasync_blake3": blake3.blake3(text.encode()).hexdigest()})
