@@ -627,7 +627,7 @@ def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry],
     :func:`choose_mode` and :func:`encode_positions` run here, for the tensors the kernel flags.
     ``fingerprints``: the tensors' new ones, set in the one copy made of each entry (so the
     entries may be templates a caller keeps)."""
-    from .kernels import NEEDS_ALL, NEEDS_POSITIONS_TRIAL, NEEDS_SET_TRIAL, encode_sparse_many
+    from .kernels import NEEDS_ALL, NEEDS_POSITIONS_TRIAL, NEEDS_SET_TRIAL, SPAN_VAL, encode_sparse_many
 
     count = len(batch.names)
     spans = np.empty((count, 5), dtype=np.int64)
@@ -637,10 +637,10 @@ def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry],
     # The blobs tile ``buf``, a values' and a positions' blob per tensor (empty where the kernel
     # left them to the trials below): the kernel-only tensors (most of them) are handed on as
     # views of it, not as bytes objects copied and wrapped one by one.
-    blobs = torch.from_numpy(buf).split(np.diff(spans[:, 2:], axis=1).ravel().tolist())
+    blobs = torch.from_numpy(buf).split(np.diff(spans[:, SPAN_VAL:], axis=1).ravel().tolist())
     changed = np.diff(batch.starts).tolist()
     out: list[EncodedTensor] = []
-    for k, (name, entry, (needs, add, val, at, end), estimate) in enumerate(
+    for k, (name, entry, (needs, add, _, at, end), estimate) in enumerate(
             zip(batch.names, entries, spans.tolist(), estimates.tolist())):
         mode = "add" if add else "xor"
         if not needs:
@@ -1081,6 +1081,11 @@ class DeltaFile:
             raise DeltaError("corrupt", f"object {name + suffix!r} is missing")
         return blob
 
+    @property
+    def _tables(self) -> TableCoding:
+        """How this file's "ans" blobs code their frequency tables (by its format version)."""
+        return ANS_TABLES[self.header.format_version]
+
     def _keys(self) -> list[str]:
         return list(self._objects if self._objects is not None else self._handle.keys())
 
@@ -1111,7 +1116,7 @@ class DeltaFile:
                                    e.coders.get(POS, "zstd"))
             positions = torch.from_numpy(pos)
         vals = decode_value_bits(e.encoding, self._blob(name, VAL), count, UNSIGNED_NP[iv],
-                                 e.coders.get(VAL, "zstd"), ANS_TABLES[self.header.format_version])
+                                 e.coders.get(VAL, "zstd"), self._tables)
         return TensorChange(name, e.encoding, positions, torch.from_numpy(vals.view(SIGNED_NP[iv])))
 
     def decode(self, names: Iterable[str], base: Callable[[str], torch.Tensor] | None = None) -> list[TensorChange | None]:
@@ -1156,14 +1161,13 @@ class DeltaFile:
         pos_lo, pos_hi, val_lo, val_hi = lo[:len(members)], hi[:len(members)], lo[len(members):], hi[len(members):]
         tables = np.zeros((len(members), ALPHABET), dtype=np.uint16)
         code_at, raw_at, val_end = (np.full(len(members), -1, dtype=np.int64) for _ in range(3))
-        tables[ans], code_at[ans], raw_at[ans] = ints_sections_many(buf, val_lo, val_hi,
-                                                                    ANS_TABLES[self.header.format_version])
+        tables[ans], code_at[ans], raw_at[ans] = ints_sections_many(buf, val_lo, val_hi, self._tables)
         val_end[ans] = val_hi
         for t in np.flatnonzero(code_at < 0).tolist():  # other value coders (new bits of a few elements: zstd)
             e = entries[t]
             values[bounds[t]:bounds[t + 1]] = decode_value_bits(
                 e.encoding, self._blob(members[t], VAL), e.changed, UNSIGNED_NP[iv], e.coders.get(VAL, "zstd"),
-                ANS_TABLES[self.header.format_version])
+                self._tables)
         failed, why = decode_sparse(buf, pos_lo, pos_hi, code_at, raw_at, val_end, tables, counts, limits, zig,
                                     torch.iinfo(iv).bits, positions, values)
         if failed >= 0:

@@ -593,6 +593,17 @@ def put_bits(out, n, acc, filled, bits, nbits):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def put_last(out, n, acc, filled):  # pragma: no cover
+    """The bytes :func:`put_bits` still holds, written out; returns the bytes written in all."""
+    while filled > 0:
+        out[n] = acc & np.uint64(0xFF)
+        n += 1
+        acc >>= np.uint64(8)
+        filled -= 8
+    return n
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _value(x, i, running):  # pragma: no cover
     """``x[i]``, or with ``running`` the gap before position ``x[i]`` (the first from -1). Two
     returns, not one conditional expression: numba unifies int64 and uint64 as float64, which
@@ -634,12 +645,7 @@ def rice_pack(x, k, out, running):  # pragma: no cover
         else:
             n, acc, filled = put_bits(out, n, acc, filled, (np.uint64(1) << q) - np.uint64(1), int(q) + 1)
             n, acc, filled = put_bits(out, n, acc, filled, v & mask, k)
-    while filled > 0:
-        out[n] = acc & np.uint64(0xFF)
-        n += 1
-        acc >>= np.uint64(8)
-        filled -= 8
-    return n
+    return put_last(out, n, acc, filled)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -831,12 +837,7 @@ def table_code(freq):  # pragma: no cover
             n, acc, filled = _put_gamma(out, n, acc, filled, s - prev)
             n, acc, filled = _put_gamma(out, n, acc, filled, freq[s])
             prev = s
-    while filled > 0:
-        out[n] = acc & np.uint64(0xFF)
-        n += 1
-        acc >>= np.uint64(8)
-        filled -= 8
-    return out[:n]
+    return out[:put_last(out, n, acc, filled)]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
