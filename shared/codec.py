@@ -740,19 +740,50 @@ def build_delta(encoded: Mapping[str, EncodedTensor], *, version: int, base_vers
     return header, tensors
 
 
-def payload_digest(blobs: Mapping[str, torch.Tensor | np.ndarray]) -> str:
-    """blake3 over the blobs (``name::...``) in name order: name, NUL, bytes, for each. Small
-    blobs are joined into updates of about a MiB: a delta of 0.1% of a model is a few hundred
-    blobs of a few hundred bytes, and an update each cost more than hashing them (0.29 against
-    0.12 ms for 116 blobs)."""
+PAYLOAD_PIECE = 1 << 20  # bytes of the digest's input joined per blake3 update (an update a blob cost more)
+
+
+def payload_digest(blobs: Mapping[str, torch.Tensor]) -> str:
+    """blake3 over the blobs (``name::...``) in name order: name, NUL, bytes, for each. The
+    writer's blobs are contiguous uint8 tensors, read where they lie: a delta of 0.1% of a model
+    is a hundred or more blobs of a few hundred bytes, and a tensor's ``numpy()`` each, to join
+    them, cost more than hashing them (0.25 against 0.15 ms for 116 blobs)."""
+    from .kernels import join_named
+
+    names = sorted(k for k in blobs if "::" in k)
+    encoded = [n.encode() for n in names]
+    table = np.empty((len(names), 4), dtype=np.int64)  # address, length, name's start and end
+    table[:, 0], table[:, 1] = [blobs[n].data_ptr() for n in names], [blobs[n].numel() for n in names]
+    np.cumsum([len(e) for e in encoded], out=table[:, 3])
+    table[:, 2] = table[:, 3] - [len(e) for e in encoded]
+    joined = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+    ends = np.cumsum(table[:, 3] - table[:, 2] + 1 + table[:, 1])  # of each blob's input
+    h = blake3.blake3()
+    out = np.empty(0, dtype=np.uint8)
+    k = 0
+    while k < len(names):  # the blobs from k whose input fits a piece (at least one)
+        before = int(ends[k - 1]) if k else 0
+        j = max(k + 1, int(np.searchsorted(ends, before + PAYLOAD_PIECE, side="right")))
+        size = int(ends[j - 1]) - before
+        if out.shape[0] < size:
+            out = np.empty(max(size, min(PAYLOAD_PIECE, int(ends[-1]))), dtype=np.uint8)
+        join_named(table[k:j], joined, out)
+        h.update(out[:size])
+        k = j
+    return h.hexdigest()
+
+
+def _views_digest(blobs: Mapping[str, np.ndarray]) -> str:
+    """:func:`payload_digest` of a reader's blobs, views of the file: joined in Python, which
+    for views costs less than the writer's kernel call and its table (a verify of 116 blobs
+    0.19 against 0.26 ms)."""
     h = blake3.blake3()
     pending: list = []
     size = 0
     for name in sorted(k for k in blobs if "::" in k):
-        blob = blobs[name]
-        pending += [name.encode() + b"\0", blob.numpy() if isinstance(blob, torch.Tensor) else blob]
+        pending += [name.encode() + b"\0", blobs[name]]
         size += pending[-1].nbytes
-        if size >= 1 << 20:
+        if size >= PAYLOAD_PIECE:
             h.update(b"".join(pending))
             pending, size = [], 0
     h.update(b"".join(pending))
@@ -1046,7 +1077,7 @@ class DeltaFile:
         kept, so what is decoded is what was checked)."""
         if self._blobs is None:
             blobs = {k: self._blob_bytes(k) for k in self._keys() if "::" in k}
-            if payload_digest(blobs) != self.header.payload_blake3:
+            if _views_digest(blobs) != self.header.payload_blake3:
                 raise DeltaError("corrupt", "blob bytes do not match the header's payload digest")
             self._blobs = blobs
 

@@ -13,6 +13,7 @@ import sys
 import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 
@@ -210,6 +211,19 @@ def address_as(typingctx, address, like):  # pragma: no cover - a numba intrinsi
     return signature, codegen
 
 
+@intrinsic
+def copy_bytes(typingctx, dest, source, count):  # pragma: no cover - a numba intrinsic
+    """``memcpy`` of ``count`` bytes between integer addresses: numba's loops and slice
+    assignments from a raw address copied about a byte a nanosecond."""
+    signature = numba.types.void(dest, source, count)
+
+    def codegen(context, builder, sig, args):
+        byte = context.get_value_type(numba.types.CPointer(numba.types.uint8))
+        cgutils.raw_memcpy(builder, builder.inttoptr(args[0], byte), builder.inttoptr(args[1], byte), args[2], 1)
+
+    return signature, codegen
+
+
 @numba.njit(cache=True, nogil=True)
 def scan_many(table, old_like, new_like, chunk, max_fraction, out_pos, out_xor, out_new, counts, update,
               cast):  # pragma: no cover
@@ -284,6 +298,22 @@ def equal_at_many(table, like, out):  # pragma: no cover
                 ok = 0
                 break
         out[k] = ok
+
+
+@numba.njit(cache=True, nogil=True)
+def join_named(table, names, out):  # pragma: no cover
+    """Blob ``k``'s name (``names[table[k, 2]:table[k, 3]]``), a NUL and its bytes (``table[k, 1]``
+    of them at address ``table[k, 0]``) for each ``k`` in turn, into ``out``: the payload
+    digest's input in one call, where a Python step per blob cost more than hashing it."""
+    at = 0
+    for k in range(table.shape[0]):
+        for j in range(table[k, 2], table[k, 3]):
+            out[at] = names[j]
+            at += 1
+        out[at] = 0
+        copy_bytes(out.ctypes.data + at + 1, table[k, 0], table[k, 1])
+        at += 1 + table[k, 1]
+    return at
 
 
 @numba.njit(cache=True, nogil=True)
