@@ -643,25 +643,24 @@ def encode_changes_many(batch: ChangeBatch, entries: Sequence[TensorEntry],
     for k, (name, entry, (needs, add, _, at, end), estimate) in enumerate(
             zip(batch.names, entries, spans.tolist(), estimates.tolist())):
         mode = "add" if add else "xor"
+        values, rice = blobs[2 * k], blobs[2 * k + 1]
+        fingerprint = None if fingerprints is None else fingerprints[k]
         if not needs:
-            out.append(_sparse(entry, name, mode, changed[k], blobs[2 * k], (blobs[2 * k + 1], 0, "rice"),
-                               None if fingerprints is None else fingerprints[k]))
+            out.append(_sparse(entry, name, mode, changed[k], values, (rice, 0, "rice"), fingerprint))
             continue
         pos, xor, new = batch.part(k)
-        if fingerprints is not None:  # paths that make the entry themselves: the fingerprint first
-            entry = entry.model_copy(update={"fingerprint": fingerprints[k]})
-        if needs & NEEDS_ALL:
+        if needs & NEEDS_ALL:  # encode_changes makes the entry itself: the fingerprint first
+            if fingerprint is not None:
+                entry = entry.model_copy(update={"fingerprint": fingerprint})
             out.append(encode_changes(entry, name, pos, xor, lambda n=None, new=new: new[:n]))
             continue
-        if not needs & NEEDS_SET_TRIAL:
-            values = blobs[2 * k]
-        elif len(trial := encode_values(new[:SAMPLE])) < min(estimate):
-            mode, values = "set", trial if new.shape[0] <= SAMPLE else encode_values(new)
-        else:
-            values = encode_value_bits(mode, value_bits(mode, xor, new))
-        positions = bytes(buf[at:end])
-        positions = _zstd_trial(pos, positions) if needs & NEEDS_POSITIONS_TRIAL else (positions, 0, "rice")
-        out.append(_sparse(entry, name, mode, pos.shape[0], values, positions))
+        if needs & NEEDS_SET_TRIAL:  # the kernel coded no values
+            if len(trial := encode_values(new[:SAMPLE])) < min(estimate):
+                mode, values = "set", trial if new.shape[0] <= SAMPLE else encode_values(new)
+            else:
+                values = encode_value_bits(mode, value_bits(mode, xor, new))
+        positions = _zstd_trial(pos, bytes(buf[at:end])) if needs & NEEDS_POSITIONS_TRIAL else (rice, 0, "rice")
+        out.append(_sparse(entry, name, mode, pos.shape[0], values, positions, fingerprint))
     return out
 
 
