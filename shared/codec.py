@@ -751,10 +751,11 @@ def payload_digest(blobs: Mapping[str, torch.Tensor]) -> str:
 
     names = sorted(k for k in blobs if "::" in k)
     encoded = [n.encode() for n in names]
+    sizes = [len(e) for e in encoded]
     table = np.empty((len(names), 4), dtype=np.int64)  # address, length, name's start and end
     table[:, 0], table[:, 1] = [blobs[n].data_ptr() for n in names], [blobs[n].numel() for n in names]
-    np.cumsum([len(e) for e in encoded], out=table[:, 3])
-    table[:, 2] = table[:, 3] - [len(e) for e in encoded]
+    np.cumsum(sizes, out=table[:, 3])
+    table[:, 2] = table[:, 3] - sizes
     joined = np.frombuffer(b"".join(encoded), dtype=np.uint8)
     ends = np.cumsum(table[:, 3] - table[:, 2] + 1 + table[:, 1])  # of each blob's input
     h = blake3.blake3()
