@@ -357,11 +357,12 @@ def _sparse(base_entry: TensorEntry, name: str, mode: str, changed: int, values:
     if positions is not None:
         blob, gap_bytes, coders[POS] = positions
         blobs[name + POS] = blob if isinstance(blob, torch.Tensor) else _u8(blob)
-    # a new entry with every field: 3.2 us, against 5.2 for a model_copy (~2 us an attribute set)
-    return EncodedTensor(TensorEntry(dtype=base_entry.dtype, shape=base_entry.shape, digest=base_entry.digest,
-                                     fingerprint=base_entry.fingerprint if fingerprint is None else fingerprint,
-                                     changed=changed, encoding=mode, positions="all" if positions is None else "gaps",
-                                     gap_bytes=gap_bytes, coders=coders), blobs)
+    # a new entry from the base's fields (all of them, whatever they are) and these: ~3 us,
+    # against ~5 for a model_copy (~2 us an attribute set)
+    return EncodedTensor(TensorEntry(**{
+        **base_entry.__dict__, "fingerprint": base_entry.fingerprint if fingerprint is None else fingerprint,
+        "changed": changed, "encoding": mode, "positions": "all" if positions is None else "gaps",
+        "gap_bytes": gap_bytes, "coders": coders}), blobs)
 
 
 def choose_mode(xor: np.ndarray, new: Callable[[int], np.ndarray]) -> str:
