@@ -542,14 +542,15 @@ def test_delta_file_read_whole_or_tensor_by_tensor(tmp_path, monkeypatch, whole)
         list(DeltaFile.open(path).changes())
 
 
-@pytest.mark.parametrize("sizes", [[], [0], [300] * 40, [0, 5, 3 << 20, 7, 1 << 20, (1 << 20) - 30, 12]])
+@pytest.mark.parametrize("sizes", [[], [0], [300] * 40, [0, 5, 3 << 20, 7, 1 << 20, (1 << 20) - 30, 12]],
+                         ids=["none", "one-empty", "one-piece", "pieces"])
 def test_payload_digest_is_blake3_over_names_and_bytes(sizes):
     """The payload digest, as the format defines it: blake3 over each blob's name, a NUL and its
     bytes, in name order (other objects left out), whether the blobs fit one piece of the
     joined input or several (blobs above a piece, empty ones); a file of these blobs verifies."""
     import blake3
 
-    from shared.codec import PAYLOAD_PIECE, payload_digest, save_delta
+    from shared.codec import payload_digest, save_delta
 
     rng = np.random.default_rng(len(sizes))
     blobs = {f"t.{i:02d}::{'val' if i % 2 else 'pos'}": torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8))
@@ -559,7 +560,6 @@ def test_payload_digest_is_blake3_over_names_and_bytes(sizes):
     for name in sorted(k for k in blobs if "::" in k):
         h.update(name.encode() + b"\0" + blobs[name].numpy().tobytes())
     assert payload_digest(blobs) == h.hexdigest()
-    assert sum(sizes) < PAYLOAD_PIECE or max(sizes) > PAYLOAD_PIECE  # the cases above: one piece, or past it
     base = {"w": torch.zeros(64, dtype=torch.bfloat16)}
     header = DeltaFile.from_bytes(encode_delta(base, {"w": base["w"] + 1}, version=1, base_version=0,
                                                base_commitment="")).header  # a header to carry these blobs
