@@ -434,14 +434,17 @@ class DeltaPublisher:
         if changes is not False:
             return changes if changes.count else self._unchanged(name)
         return detect_tensor(name, snap, self._cast(live), update=True, threads=False,
-                             same_digest=self._digests[name])
+                             same_digest=self._kept_digest(name))
 
     def _unchanged(self, name: str) -> EncodedTensor:
-        """A tensor's entry when nothing in it changed: the base's fingerprint, and its digest
-        where deltas carry digests (clearing it later cost ~2 us an untouched tensor)."""
-        digest = self._digests[name] if self.digests == "every" else ""
-        entry = tensor_entry(self._snapshot[name], digest, self._fingerprints[name])
+        """A tensor's entry when nothing in it changed: the base's fingerprint and digest."""
+        entry = tensor_entry(self._snapshot[name], self._kept_digest(name), self._fingerprints[name])
         return EncodedTensor(entry, {})
+
+    def _kept_digest(self, name: str) -> str:
+        """The digest an untouched tensor's entry carries: the base's where deltas carry digests,
+        else none (clearing it after the coding cost ~2 us an untouched tensor)."""
+        return self._digests[name] if self.digests == "every" else ""
 
     def _copy_in(self, name: str, live: torch.Tensor) -> _Copied:
         """The live bits (cast as :meth:`_cast` does) copied into the tensor's spare buffer, which
@@ -620,7 +623,7 @@ class DeltaPublisher:
                 if changes is not None:
                     return self._encode_found(name, host, changes)
             elif torch.equal(snap, new):
-                return encode_tensor(name, host, host, digest=self._digests[name], base_fingerprint=base_fp)
+                return encode_tensor(name, host, host, digest=self._kept_digest(name), base_fingerprint=base_fp)
         # a dense change, a dtype without a bit view, or a shape error: the whole tensor crosses
         enc = encode_tensor(name, host, new.cpu(), update=True, threads=False, compact=self.compact,
                             digest=self._new_digest())
