@@ -175,11 +175,11 @@ def _changed(found: EncodedTensor | Changes | DenseChange) -> int:
     return found.entry.changed if isinstance(found, EncodedTensor) else found.count
 
 
-def _encode_work(found: EncodedTensor | Changes | DenseChange, snapshot: torch.Tensor) -> int:
-    """What encoding one tensor costs, in changes: what detection left to do."""
+def _encode_work(found: EncodedTensor | Changes | DenseChange, numel: int) -> int:
+    """What encoding one tensor of ``numel`` elements costs, in changes: what detection left to do."""
     if isinstance(found, Changes):
         return found.count
-    return 0 if isinstance(found, EncodedTensor) else snapshot.numel()
+    return 0 if isinstance(found, EncodedTensor) else numel
 
 
 @dataclass
@@ -272,7 +272,12 @@ class DeltaPublisher:
         # then kept up to date in O(changes)
         self._fingerprints = {n: fp.hex() for n, fp in fingerprints_of(self._snapshot).items()}
         self._templates: dict[str, TensorEntry] = {}  # see _entry
-        self._dense_bytes = sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        # Sizes by name (shapes never change): publish() and the encoder loop over every tensor
+        # right after the optimizer step or a scan of the model has evicted the caches, where a
+        # tensor's numel() (its C++ object) cost ~1 us a tensor in misses, an int in a dict less
+        self._numel = {n: t.numel() for n, t in self._snapshot.items()}
+        self._nbytes = {n: t.numel() * t.element_size() for n, t in self._snapshot.items()}
+        self._dense_bytes = sum(self._nbytes.values())
         self._since_anchor_bytes, self._since_anchor = 0, 0
         self._force_anchor = False
         self._broken = False  # an upload failed for good: skip deltas until an anchor lands
@@ -320,7 +325,7 @@ class DeltaPublisher:
                              f"unexpected {sorted(extra)[:5]}")
         self._wait_encoder()  # the snapshot is the encoder's until it is done with the last version
         names = sorted(self._snapshot)
-        sizes = [self._snapshot[n].numel() * self._snapshot[n].element_size() for n in names]
+        sizes = [self._nbytes[n] for n in names]
         copyable: set[str] = set()
         with torch.no_grad():
             if self.detect == "numba" or (self.detect == "auto" and all(t.device.type == "cpu" for t in live.values())):
@@ -330,7 +335,7 @@ class DeltaPublisher:
             else:
                 found = map_balanced(lambda n: self._encode_where(n, live[n]), names, sizes)
         report = PublishReport(version=version, kind="delta", changed=0,  # counted by the encoder
-                               numel=sum(self._snapshot[n].numel() for n in names), payload_bytes=0,
+                               numel=sum(self._numel.values()), payload_bytes=0,
                                dense_bytes=self._dense_bytes, int32_bf16_bytes=0, encode_s=0.0)
         self.version = version
         self._encoder_idle.clear()
@@ -511,7 +516,7 @@ class DeltaPublisher:
                     changes, [self._entry(n) for n in changes.names], [fingerprints[n] for n in changes.names])))
             return [coded[n] if n in coded else one(n) for n in members]
 
-        work = [_encode_work(job.found[n], self._snapshot[n]) for n in names]
+        work = [_encode_work(job.found[n], self._numel[n]) for n in names]
         encoded = dict(zip(names, map_batches(batch, names, work, serial_below=THREADS_FROM_CHANGES)))
         t_coded = time.perf_counter()
         if self.digests == "every":
@@ -572,7 +577,7 @@ class DeltaPublisher:
             return [find_changes(*pair, threads=False) if got is False else got
                     for pair, got in zip(pairs, find_changes_many(pairs))]
 
-        for n, changes in zip(copied, map_batches(scan, copied, [self._snapshot[n].numel() for n in copied],
+        for n, changes in zip(copied, map_batches(scan, copied, [self._numel[n] for n in copied],
                                                   serial_below=THREADS_FROM_CHANGES)):
             snap = self._snapshot[n]
             if changes is None:
@@ -580,11 +585,10 @@ class DeltaPublisher:
             else:
                 found[n] = changes if changes.count else self._unchanged(n)
         for n, f in found.items():
-            snap = self._snapshot[n]
-            if not self._busy(_changed(f), snap.numel()):
+            if not self._busy(_changed(f), self._numel[n]):
                 self._spare.pop(n, None)
             elif n in copyable and n not in self._spare:
-                self._spare[n] = torch.zeros_like(snap)
+                self._spare[n] = torch.zeros_like(self._snapshot[n])
 
     def _busy(self, changed: int, numel: int) -> bool:
         """Whether a tensor with ``changed`` of ``numel`` elements changed is copied next version:
@@ -653,7 +657,7 @@ class DeltaPublisher:
         # blake3 of the tensors touched since they were last hashed (digests="anchors"): O(model), per anchor
         missing = [n for n, d in self._digests.items() if not d]
         self._digests.update(zip(missing, map_balanced(lambda n: tensor_digest(self._snapshot[n]), missing,
-                                                       [self._snapshot[n].numel() for n in missing])))
+                                                       [self._numel[n] for n in missing])))
         header = anchor_header(self._snapshot, version=version, base_version=base_version,
                                base_commitment=base_commitment, digests=self._digests,
                                fingerprints=self._fingerprints)
