@@ -198,7 +198,7 @@ def server_pauses(model_dir: Path, tmp: Path, versions: int, fraction: float) ->
 
 
 def main() -> None:
-    from bench.common import add_model_args
+    from bench.common import add_model_args, environment
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="existing model folder (default: build a Qwen3 of the given size)")
@@ -277,7 +277,7 @@ def main() -> None:
               "x_floor": {k: v / floor for k, v in med.items()}, "samples_s": r["times"] | {"pause_rpc": pause_rpc},
               "stage_s": r["stage_s"], "stage_timings": r["stage_timings"], "engine_start_s": engine_s,
               "map": {k: init[k] for k in ("tensors", "runs", "map_build_s", "map_built")},
-              "target_met": ok, "server": srv, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+              "target_met": ok, "server": srv, "machine": {"platform": platform.platform()} | environment(),
               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))

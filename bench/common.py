@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -90,9 +91,17 @@ def int32_bf16_bytes(positions: Mapping[str, torch.Tensor], new: Mapping[str, to
 
 
 def environment() -> dict:
+    """Where a result was measured. ``cpu`` and ``vector`` are what numba's kernels were compiled
+    for (LLVM's name of the host CPU and its vector extensions): the multiply-heavy ones (the
+    fingerprint) run several times faster with AVX-512 than with AVX2 alone, and this VM's CPU is
+    not the same from day to day."""
+    import llvmlite.binding as llvm
+
+    features = llvm.get_host_cpu_features()
     return {"python": platform.python_version(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "processor": platform.processor()}
+            "processor": platform.processor(), "cpus": os.cpu_count(), "cpu": llvm.get_host_cpu_name(),
+            "vector": sorted(k for k in features if features[k] and k.startswith(("avx", "fma", "sse4")))}
 
 
 def write_json(name: str, payload: dict) -> Path:
