@@ -92,9 +92,10 @@ def int32_bf16_bytes(positions: Mapping[str, torch.Tensor], new: Mapping[str, to
 
 def environment() -> dict:
     """Where a result was measured. ``cpu`` and ``vector`` are what numba's kernels were compiled
-    for (LLVM's name of the host CPU and its vector extensions): the multiply-heavy ones (the
-    fingerprint) run several times faster with AVX-512 than with AVX2 alone, and this VM's CPU is
-    not the same from day to day."""
+    for (LLVM's name of the host CPU and its vector extensions): the same fingerprint kernel took
+    16.6 ms for 61M elements one day and 115 ms another on this development VM, and only AVX-512
+    has the vector 64-bit multiply it is made of, so results of different days need the CPU beside
+    them to be compared."""
     import llvmlite.binding as llvm
 
     features = llvm.get_host_cpu_features()
