@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -277,7 +276,7 @@ def main() -> None:
               "x_floor": {k: v / floor for k, v in med.items()}, "samples_s": r["times"] | {"pause_rpc": pause_rpc},
               "stage_s": r["stage_s"], "stage_timings": r["stage_timings"], "engine_start_s": engine_s,
               "map": {k: init[k] for k in ("tensors", "runs", "map_build_s", "map_built")},
-              "target_met": ok, "server": srv, "machine": {"platform": platform.platform()} | environment(),
+              "target_met": ok, "server": srv, "environment": environment(),
               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))

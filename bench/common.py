@@ -100,7 +100,7 @@ def environment() -> dict:
 
     features = llvm.get_host_cpu_features()
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "threads": torch.get_num_threads(), "machine": platform.machine(), "platform": platform.platform(),
             "processor": platform.processor(), "cpus": os.cpu_count(), "cpu": llvm.get_host_cpu_name(),
             "vector": sorted(k for k in features if features[k] and k.startswith(("avx", "fma", "sse4")))}
 
