@@ -58,6 +58,7 @@ import safetensors.torch
 import torch
 from pydantic import BaseModel, ValidationError
 
+from . import buffers
 from .changes import (INT_VIEW, SIGNED_NP, THREADS_FROM_CHANGES, UNSIGNED_NP, Changes, find_changes,
                       map_balanced, map_batches, unsigned_view)
 from .entropy import (
@@ -1186,8 +1187,8 @@ class DeltaFile:
         zig = np.array(modes) == "add"
         bounds = np.zeros(len(members) + 1, dtype=np.int64)
         np.cumsum(counts, out=bounds[1:])
-        positions = np.empty(int(bounds[-1]), dtype=np.int64)
-        values = np.empty(int(bounds[-1]), dtype=UNSIGNED_NP[iv])
+        positions = buffers.empty(int(bounds[-1]), np.int64)
+        values = buffers.empty(int(bounds[-1]), UNSIGNED_NP[iv])
         ans = [t for t, e in enumerate(entries) if e.coders.get(VAL) == "ans"]
         buf, lo, hi = self._spans([n + POS for n in members] + [members[t] + VAL for t in ans])
         pos_lo, pos_hi, val_lo, val_hi = lo[:len(members)], hi[:len(members)], lo[len(members):], hi[len(members):]

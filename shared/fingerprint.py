@@ -39,6 +39,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
+from . import buffers
 from .digest import dtype_name, state_digest_from_entries
 
 MASK64 = (1 << 64) - 1
@@ -369,8 +370,8 @@ def gather_batch(targets: Sequence[GatherTarget], modes: Sequence[str], position
             raise ValueError(f"item {k}: a {width}-bit target like item 0's, not {where.target.dtype}")
         rows.append((*where.row, rule))
     u = _UNSIGNED_NP[width]
-    held, dest = np.empty(total, np.int64), np.empty(total, np.int64)
-    old, new = np.empty(total, u), np.empty(total, u)
+    held, dest = buffers.empty(total, np.int64), buffers.empty(total, np.int64)
+    old, new = buffers.empty(total, u), buffers.empty(total, u)
     counts = np.empty(len(rows), np.int64)
     direct = np.zeros(len(rows), np.uint8)
     lanes = np.zeros((len(rows), 4), np.uint64)
