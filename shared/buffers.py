@@ -1,18 +1,18 @@
 """Large working arrays kept between versions, so that decoding one does not fault in fresh pages.
 
-A process that applies version after version (a replica, ``deltasync apply --follow``) decodes
+A process that applies version after version (a replica) decodes
 several bytes per changed element into new arrays every time. Up to 32 MiB glibc's malloc keeps
 freed blocks and hands them out again; a larger ``np.empty`` is a fresh ``mmap``, and the kernel
 zeroes every page of it on first touch. On a virtual machine whose host takes back freed guest
 pages (a balloon's free page reporting, as on the machine these figures come from) that first
-touch faults on the host too: decoding 11.5M changes of a 202M model took 60-70 ms of CPU a thread
-when its pages were backed and 165-200 ms when they were not, 100-290 ms of it in the kernel's
+touch faults on the host too: decoding 11.5M changes of a 202M model took 55-60 ms of CPU a thread
+when its pages were backed and 145-210 ms when they were not, 100-290 ms a version in the kernel's
 ``clear_page``.
 
 :func:`empty` hands out a view of a kept buffer that nothing else refers to any more. Its lifetime
 needs no bookkeeping by the caller: a numpy view, a view of it or a ``torch.from_numpy`` tensor of
 either keeps the buffer's reference count up, so a buffer is reused only once every array and
-tensor made from it is gone (CPython's reference counts; no pickle, no finaliser).
+tensor made from it is gone (CPython's reference counts).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import numpy as np
 
 KEEP_FROM = 1 << 20  # bytes: below, a fresh block is a few pages (malloc keeps blocks up to 32 MiB, but a thread's arena returns them)
-KEEP = 16  # buffers kept at most: the arrays of two versions alive at once, decoded on a few threads
+KEEP = 32  # buffers kept at most: two versions alive at once, a few arrays a thread each
 
 _lock = threading.Lock()
 _kept: list[np.ndarray] = []  # uint8 owners

@@ -370,7 +370,8 @@ def gather_batch(targets: Sequence[GatherTarget], modes: Sequence[str], position
             raise ValueError(f"item {k}: a {width}-bit target like item 0's, not {where.target.dtype}")
         rows.append((*where.row, rule))
     u = _UNSIGNED_NP[width]
-    held, dest = buffers.empty(total, np.int64), buffers.empty(total, np.int64)
+    # written only where a target is held in runs (a rank's share): else never touched, so not kept
+    held, dest = np.empty(total, np.int64), np.empty(total, np.int64)
     old, new = buffers.empty(total, u), buffers.empty(total, u)
     counts = np.empty(len(rows), np.int64)
     direct = np.zeros(len(rows), np.uint8)
